@@ -1,0 +1,71 @@
+"""Devices and backends: what this machine has, and the CPU "virtual cluster".
+
+On a machine with GPUs, each device is a ``cuda:i`` and processes talk over
+NCCL. On a laptop there are no GPUs, so the labs use *virtual devices*: several
+workers on the CPU (threads for DataParallel, processes for DDP) that talk over
+gloo. The algorithms are the same; only the speed differs.
+
+    >>> devices()          # no GPU: two virtual devices on the CPU
+    [device(type='cpu'), device(type='cpu')]
+    >>> backend()
+    'gloo'
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_VIRTUAL_DEVICES = 2
+
+
+def gpu_count() -> int:
+    """How many CUDA GPUs this process can see (honours CUDA_VISIBLE_DEVICES)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def devices(n: Optional[int] = None) -> List[torch.device]:
+    """The devices to train on: the first ``n`` CUDA GPUs, or ``n`` CPU virtual devices.
+
+    With GPUs, ``n=None`` means all of them, and asking for more than there are
+    is an error (a silent fallback would hide a misconfigured machine). Without
+    GPUs, ``n=None`` means 2 virtual devices, all ``torch.device("cpu")``.
+    """
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise ValueError(f"devices(n): n must be a positive int, got {n!r}")
+    count = gpu_count()
+    if count == 0:
+        return [torch.device("cpu")] * (n or DEFAULT_VIRTUAL_DEVICES)
+    if n is not None and n > count:
+        raise ValueError(
+            f"devices({n}): only {count} GPU(s) visible. Ask for at most {count}, "
+            "or check CUDA_VISIBLE_DEVICES."
+        )
+    return [torch.device("cuda", i) for i in range(n or count)]
+
+
+def nccl_available() -> bool:
+    """True when CUDA GPUs are visible and this torch build has NCCL."""
+    return gpu_count() > 0 and dist.is_available() and dist.is_nccl_available()
+
+
+def backend() -> str:
+    """``"nccl"`` when CUDA and NCCL are usable, else ``"gloo"`` (CPU processes)."""
+    return "nccl" if nccl_available() else "gloo"
+
+
+def check_backend(name: str) -> str:
+    """Validate a backend name for this machine, with advice when it cannot work."""
+    name = name.lower()
+    if name not in ("nccl", "gloo", "mpi"):
+        raise ValueError(f"unknown backend {name!r}: use 'nccl' (GPUs), 'gloo' (CPU) or None to choose")
+    if name == "nccl" and not nccl_available():
+        reason = "no CUDA GPU is visible" if gpu_count() == 0 else "this torch build has no NCCL"
+        raise RuntimeError(
+            f"backend='nccl' needs CUDA GPUs and NCCL, but {reason}. "
+            "Use backend='gloo' on CPU, or backend=None to pick the right one."
+        )
+    if name == "mpi" and not dist.is_mpi_available():
+        raise RuntimeError("backend='mpi' needs a torch built with MPI; use 'gloo' or 'nccl'.")
+    return name

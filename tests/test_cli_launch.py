@@ -1,0 +1,91 @@
+"""``mgpu-lab launch`` (torchrun underneath): one node, two loopback nodes, restarts, errors."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mgpu_lab.torchrun import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "examples" / "ddp_train.py")
+
+
+def mgpu_lab(*args, timeout=180):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "mgpu_lab", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(proc, timeout=180):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"mgpu-lab launch did not finish in {timeout} s:\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+def summary(out):
+    return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+
+
+def test_dry_run_is_a_torchrun_command_on_loopback():
+    code, out, _ = finish(mgpu_lab("launch", "--dry-run", "--nproc-per-node", "3", TRAIN, "--steps", "5"))
+    assert code == 0
+    assert out.startswith("torchrun --nnodes 1 --nproc-per-node 3 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:")
+    assert out.strip().endswith(f"{TRAIN} --steps 5")
+
+
+def test_one_node_two_processes_trains():
+    code, out, err = finish(mgpu_lab("launch", TRAIN, "--steps", "20"))
+    assert code == 0, err
+    result = summary(out)
+    assert result["world_size"] == 2 and result["steps"] == 20
+    assert out.count('"world_size"') == 1  # rank 0 alone prints
+
+
+def test_two_nodes_on_loopback_make_world_size_four():
+    port = str(free_port())
+    common = ["launch", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+              "--master-port", port]
+    node0 = mgpu_lab(*common, "--node-rank", "0", TRAIN, "--steps", "10")
+    node1 = mgpu_lab(*common, "--node-rank", "1", TRAIN, "--steps", "10")
+    (code0, out0, err0), (code1, out1, err1) = finish(node0), finish(node1)
+    assert code0 == 0 and code1 == 0, err0 + err1
+    result = summary(out0 + out1)
+    assert result["world_size"] == 4 and result["steps"] == 10
+
+
+def test_max_restarts_restarts_the_group_after_a_failure():
+    script = str(ROOT / "tests" / "scripts" / "fail_once.py")
+    code, out, err = finish(mgpu_lab("launch", "--max-restarts", "1", script))
+    assert code == 0, err
+    assert "attempt 1 ok, world size 2" in out
+    code, _, err = finish(mgpu_lab("launch", "--max-restarts", "0", script))
+    assert code == 1 and "failed" in err
+
+
+def test_a_port_in_use_is_refused_with_advice():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        code, _, err = finish(mgpu_lab("launch", "--master-port", str(port), TRAIN))
+    assert code != 0
+    assert f"port {port} on 127.0.0.1 is already in use" in err and "--master-port" in err
+
+
+def test_several_nodes_need_node_rank_and_master_addr():
+    code, _, err = finish(mgpu_lab("launch", "--nnodes", "2", TRAIN))
+    assert code != 0 and "--node-rank" in err and "--master-addr" in err
+
+
+def test_doctor_runs_and_names_the_backend():
+    code, out, err = finish(mgpu_lab("doctor"))
+    assert code == 0, err
+    assert "backend" in out and "NCCL_SOCKET_IFNAME" in out

@@ -1,0 +1,90 @@
+"""dist_env() for torchrun, legacy launch and Slurm; init_distributed; the loader helper."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import TensorDataset
+
+from mgpu_lab import DistEnv, dist_env, distributed_loader, init_distributed, is_main_process, launch, print0
+
+
+def test_single_process_defaults():
+    assert dist_env(environ={}, argv=[]) == DistEnv(0, 0, 1, 1, 0, "127.0.0.1", 29500)
+
+
+def test_torchrun_variables():
+    environ = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+               "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400"}
+    assert dist_env(environ=environ, argv=[]) == DistEnv(5, 1, 8, 4, 1, "10.0.0.1", 29400)
+
+
+@pytest.mark.parametrize("argv", [["--local_rank=1"], ["--local-rank=1"], ["--local_rank", "1", "--lr", "3"]])
+def test_legacy_local_rank_argument(argv):
+    environ = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
+    env = dist_env(environ={k: v for k, v in environ.items() if k != "LOCAL_RANK"}, argv=argv)
+    assert (env.rank, env.local_rank, env.world_size, env.master_port) == (1, 1, 2, 1234)
+
+
+def test_legacy_local_rank_without_rank_uses_local_rank():
+    env = dist_env(environ={"WORLD_SIZE": "2"}, argv=["--local_rank=1"])
+    assert (env.rank, env.local_rank, env.world_size) == (1, 1, 2)
+
+
+def test_slurm_variables():
+    environ = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+               "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODELIST": "gpu[03-04]"}
+    assert dist_env(environ=environ, argv=[]) == DistEnv(6, 2, 8, 4, 1, "gpu03", 29500)
+
+
+def test_torchrun_wins_over_slurm():
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert dist_env(environ=environ, argv=[]).rank == 1
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "outside world size"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
+])
+def test_bad_environment_is_explained(environ, message):
+    with pytest.raises(ValueError, match=message):
+        dist_env(environ=environ, argv=[])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_init_distributed_nccl_without_gpu():
+    with pytest.raises(RuntimeError, match="needs CUDA GPUs"):
+        init_distributed(backend="nccl")
+
+
+def test_main_process_helpers_outside_a_group(capsys):
+    assert is_main_process()
+    print0("once")
+    assert capsys.readouterr().out == "once\n"
+
+
+def test_inside_launch_init_distributed_returns_this_rank_and_print0_prints_once(capfd):
+    def fn():
+        env = init_distributed()  # already joined by launch: returns the environment
+        print0("from rank 0 only")
+        return env.rank, env.world_size, is_main_process()
+
+    assert launch(fn, nprocs=2) == [(0, 2, True), (1, 2, False)]
+    assert capfd.readouterr().out == "[rank 0] from rank 0 only\n"
+
+
+def test_distributed_loader_shards_and_reshuffles_per_epoch():
+    def fn():
+        dataset = TensorDataset(torch.arange(10))
+        loader = distributed_loader(dataset, batch_size=2, shuffle=True)
+        epochs = [[int(i) for (batch,) in loader.epoch(e) for i in batch] for e in range(2)]
+        return epochs, len(loader)
+
+    (r0, n0), (r1, n1) = launch(fn, nprocs=2)
+    for epoch in range(2):
+        assert sorted(r0[epoch] + r1[epoch]) == list(range(10))  # a partition of the data
+    assert r0[0] != r0[1]  # set_epoch changed the shuffle
+    assert n0 == n1 == 3
+
+
+def test_distributed_loader_needs_the_group():
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        distributed_loader(TensorDataset(torch.arange(4)), batch_size=2)

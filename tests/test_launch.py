@@ -1,0 +1,150 @@
+"""launch(): values, output order, crashes, hangs, no orphans, bad input."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mgpu_lab import LaunchError, dist_env, launch
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] not in "ZX"  # zombies are dead, just not yet reaped
+    except FileNotFoundError:
+        return False
+
+
+def _rank_times_ten():
+    return dist.get_rank() * 10
+
+
+def test_values_come_back_in_rank_order():
+    assert launch(_rank_times_ten, nprocs=3) == [0, 10, 20]
+
+
+def test_collective_and_closure_from_the_caller():
+    offset = 5.0  # a closure over a local: works because launch forks
+
+    def fn(scale):
+        t = torch.tensor([dist.get_rank() + offset])
+        dist.all_reduce(t)
+        return (t * scale).item(), dist.get_world_size(), dist_env().rank
+
+    assert launch(fn, nprocs=2, args=(2.0,)) == [(22.0, 2, 0), (22.0, 2, 1)]
+
+
+def test_output_is_printed_in_rank_order_with_prefix(capfd):
+    def fn():
+        rank = dist.get_rank()
+        time.sleep(0.3 * (1 - rank))  # rank 1 prints first in time
+        print(f"python line from {rank}")
+        os.write(1, f"fd line from {rank}\n".encode())  # what C++ would write
+        os.write(2, f"err line from {rank}\n".encode())
+
+    launch(fn, nprocs=2)
+    out, err = capfd.readouterr()
+    assert out.splitlines() == [
+        "[rank 0] python line from 0", "[rank 0] fd line from 0",
+        "[rank 1] python line from 1", "[rank 1] fd line from 1",
+    ]
+    assert err.splitlines() == ["[rank 0] err line from 0", "[rank 1] err line from 1"]
+
+
+def test_a_crashed_rank_raises_with_its_traceback():
+    def fn():
+        if dist.get_rank() == 1:
+            raise ValueError("boom on purpose")
+        dist.barrier()  # rank 0 waits for a peer that is gone
+
+    with pytest.raises(LaunchError) as info:
+        launch(fn, nprocs=2, timeout=60)
+    assert info.value.rank == 1
+    assert "ValueError: boom on purpose" in str(info.value)
+    assert "Traceback" in str(info.value)
+
+
+def test_a_rank_that_dies_without_python_is_reported():
+    def fn():
+        if dist.get_rank() == 0:
+            os._exit(3)
+
+    with pytest.raises(LaunchError, match="rank 0 exited with code 3"):
+        launch(fn, nprocs=2, timeout=60)
+
+
+def test_a_hang_raises_timeout_naming_the_ranks_and_leaves_no_process(tmp_path):
+    def fn():
+        pid = os.fork()  # a grandchild, like a DataLoader worker
+        if pid == 0:
+            time.sleep(120)
+            os._exit(0)
+        (tmp_path / f"pids{dist.get_rank()}").write_text(f"{os.getpid()} {pid}")
+        if dist.get_rank() == 1:
+            time.sleep(120)
+        return "done"
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of 2"):
+        launch(fn, nprocs=2, timeout=4)
+    assert time.monotonic() - start < 20
+    pids = [int(p) for f in tmp_path.iterdir() for p in f.read_text().split()]
+    assert len(pids) == 4
+    time.sleep(0.5)
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+def test_no_process_is_left_after_a_crash(tmp_path):
+    def fn():
+        (tmp_path / str(dist.get_rank())).write_text(str(os.getpid()))
+        if dist.get_rank() == 0:
+            raise RuntimeError("crash")
+        time.sleep(120)  # rank 1 would never finish on its own
+
+    with pytest.raises(LaunchError):
+        launch(fn, nprocs=2, timeout=60)
+    pids = [int(f.read_text()) for f in tmp_path.iterdir()]
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def test_an_unpicklable_return_value_is_an_error():
+    with pytest.raises(LaunchError, match="pickle"):
+        launch(lambda: (lambda: None), nprocs=2)
+
+
+@pytest.mark.parametrize("nprocs", [0, -1, 1.5, "2"])
+def test_bad_nprocs(nprocs):
+    with pytest.raises(ValueError, match="nprocs"):
+        launch(_rank_times_ten, nprocs=nprocs)
+
+
+def test_bad_timeout():
+    with pytest.raises(ValueError, match="timeout"):
+        launch(_rank_times_ten, timeout=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_nccl_without_a_gpu_says_what_to_do():
+    with pytest.raises(RuntimeError, match="backend='gloo'"):
+        launch(_rank_times_ten, backend="nccl")
+
+
+def test_cuda_initialised_before_fork_is_refused_with_advice(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="Restart the kernel"):
+        launch(_rank_times_ten, nprocs=2)
+
+
+def test_spawn_needs_an_importable_function():
+    with pytest.raises(ValueError, match="importable"):
+        launch(lambda: 1, nprocs=2, start_method="spawn")
+
+
+def test_spawn_runs_a_module_level_function():
+    assert launch(_rank_times_ten, nprocs=2, start_method="spawn", timeout=120) == [0, 10]
+
+
+def test_one_process_works():
+    assert launch(_rank_times_ten, nprocs=1) == [0]
