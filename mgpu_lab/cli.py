@@ -13,23 +13,28 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Optional, Sequence
+import sys
+from typing import Iterable, Optional, Sequence
 
-SUBCOMMAND_MODULES = ("torchrun", "doctor", "notebooks", "grader", "tour")
+SUBCOMMANDS = {"launch": "torchrun", "doctor": "doctor", "labs": "notebooks", "grade": "grader", "tour": "tour"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] = SUBCOMMANDS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mgpu-lab",
         description="mgpu_lab: learn, then do, multi-GPU training in PyTorch.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for name in SUBCOMMAND_MODULES:
-        importlib.import_module(f"mgpu_lab.{name}").add_parser(subparsers)
+    for command in commands:
+        importlib.import_module(f"mgpu_lab.{SUBCOMMANDS[command]}").add_parser(subparsers)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Import only the module of the command asked for (nbformat alone takes seconds
+    # to import, and `mgpu-lab launch` should not wait for it); all of them for --help.
+    commands = argv[:1] if argv[:1] and argv[0] in SUBCOMMANDS else SUBCOMMANDS
+    args = build_parser(commands).parse_args(argv)
     return int(args.func(args) or 0)

@@ -170,16 +170,16 @@ def init_distributed(backend: Optional[str] = None, timeout: timedelta = DEFAULT
 
 
 def _restart_safe_store(env: DistEnv, timeout: timedelta) -> Optional[dist.Store]:
-    """Under torchrun, a store whose keys are fresh for each restart attempt.
+    """Under torchrun after a restart, a store whose keys are fresh for this attempt.
 
     torchrun's workers share the agent's store across restarts (--max-restarts);
     torch 2.13 reuses its keys, so a restarted rank can read a dead peer's address
     and fail with "Connection refused" or hang (pytorch/pytorch#167288). A prefix
-    per attempt avoids that. Outside torchrun: None, and env:// works as usual.
+    per attempt avoids that. Otherwise None, and env:// works as usual.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        return None  # a first attempt's keys are fresh anyway
     client = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"mgpu_lab/attempt_{attempt}", client)
 

@@ -28,8 +28,11 @@ What it does, and why:
   outlives ``timeout`` seconds raises ``TimeoutError`` naming the ranks still
   running. Either way, and on Ctrl-C, every child and its own children are
   killed before ``launch`` returns: no process is left behind.
-* **threads**: on CPU each rank gets ``cpu_count // nprocs`` intra-op threads
-  (at least 1), so N processes do not fight over the same cores.
+* **one thread per CPU rank**, as torchrun and DataLoader workers do: GNU
+  OpenMP cannot be used in a forked child once the parent has run a parallel
+  region (the child hangs in its first large op), and N ranks on N cores are
+  busy anyway. Do not raise ``torch.set_num_threads`` inside ``fn``; use
+  ``start_method="spawn"`` if a rank needs several threads.
 """
 from __future__ import annotations
 
@@ -238,7 +241,7 @@ def _worker(fn, args, rank, world_size, port, backend, timeout, workdir) -> None
         if backend == "nccl":
             torch.cuda.set_device(rank)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            torch.set_num_threads(1)  # see "one thread per CPU rank" in the module docstring
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,

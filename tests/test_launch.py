@@ -148,3 +148,21 @@ def test_spawn_runs_a_module_level_function():
 
 def test_one_process_works():
     assert launch(_rank_times_ten, nprocs=1) == [0]
+
+
+def test_a_parent_that_used_openmp_threads_can_still_launch():
+    # GNU OpenMP hangs a forked child's first large op when the parent ran a parallel
+    # region; launch() gives each CPU rank one thread, so the child never enters one.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = torch.randn(1000, 1000)
+        a @ a  # a parallel region in the parent
+
+        def big_op():
+            x = torch.randn(1000, 1000)
+            return float((x @ x).sum() * 0), torch.get_num_threads()
+
+        assert launch(big_op, nprocs=1, timeout=30) == [(0.0, 1)]
+    finally:
+        torch.set_num_threads(previous)

@@ -1,0 +1,125 @@
+"""Step time of NaiveDDP, BucketedDDP and torch DDP on a 20-layer MLP.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_ddp.py
+
+Options: --nprocs N (default 2), --width (default 512), --layers (default 20),
+--batch (per rank, default 64), --steps (timed steps, default 15). CPU: gloo;
+with GPUs, NCCL on cuda:rank.
+
+One training step = zero_grad, forward, loss, backward, gradient sync, SGD step.
+Prints the median step time of each wrapper (the slowest rank's), its ratio to
+torch's DistributedDataParallel measured in the same run (target: BucketedDDP
+at its default 25 MB <= 1.15x torch DDP), and a no-communication baseline (each
+rank trains alone), whose difference to the others is what synchronisation costs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mgpu_lab import BucketedDDP, NaiveDDP, devices, launch
+
+
+def mlp(width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    body = []
+    for _ in range(layers):
+        body += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*body[:-1])
+
+
+class _Local(nn.Module):
+    """No communication at all: the floor."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+    def finish_gradient_synchronization(self):
+        pass
+
+
+def _bench(width, layers, batch, steps):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = devices(world)[rank]
+    torch.manual_seed(rank)
+    x = torch.randn(batch, width, device=device)
+    y = torch.randn(batch, width, device=device)
+    makers = {
+        "no communication": lambda m: _Local(m),
+        "NaiveDDP": lambda m: NaiveDDP(m),
+        "BucketedDDP (25 MB)": lambda m: BucketedDDP(m, bucket_cap_mb=25.0),
+        "BucketedDDP (4 MB)": lambda m: BucketedDDP(m, bucket_cap_mb=4.0),
+        "torch DDP (25 MB)": lambda m: DistributedDataParallel(m),
+    }
+    order = list(makers)
+    results = {name: [] for name in order}
+    models = {name: makers[name](mlp(width, layers).to(device)) for name in order}
+    opts = {name: torch.optim.SGD(models[name].parameters(), lr=1e-3) for name in order}
+
+    def step(name):
+        model, opt = models[name], opts[name]
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        if not isinstance(model, DistributedDataParallel):
+            model.finish_gradient_synchronization()
+        opt.step()
+
+    for name in order:  # warm-up
+        step(name)
+    for _ in range(steps):  # interleaved, so drifting machine load hits all alike
+        for name in order:
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            step(name)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            results[name].append(time.perf_counter() - t0)
+    out = {}
+    for name in order:
+        t = torch.tensor([statistics.median(results[name])], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[name] = t.item()
+    buckets = {name: len(m.buckets) for name, m in models.items() if isinstance(m, BucketedDDP)}
+    return out, buckets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", type=int, default=2)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+    times, buckets = launch(_bench, nprocs=args.nprocs,
+                            args=(args.width, args.layers, args.batch, args.steps), timeout=600)[0]
+    n_params = sum(p.numel() for p in mlp(args.width, args.layers).parameters())
+    print(f"{args.layers}-layer MLP, width {args.width}: {n_params / 1e6:.2f} M parameters, "
+          f"{n_params * 4 / 2**20:.1f} MB of gradients; batch {args.batch} per rank, "
+          f"{args.nprocs} processes; median of {args.steps} steps")
+    base = times["torch DDP (25 MB)"]
+    head = f"{'wrapper':<22} {'buckets':>7} {'step ms':>9} {'vs torch DDP':>13}"
+    print(head)
+    print("-" * len(head))
+    for name, t in times.items():
+        nb = buckets.get(name, "")
+        print(f"{name:<22} {nb!s:>7} {t * 1e3:9.1f} {t / base:12.2f}x")
+    ratio = times["BucketedDDP (25 MB)"] / base
+    print(f"\nBucketedDDP (25 MB) / torch DDP: {ratio:.2f}x (target <= 1.15x): "
+          f"{'met' if ratio <= 1.15 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

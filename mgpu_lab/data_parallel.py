@@ -1,0 +1,386 @@
+"""DataParallel from scratch: one process, one thread per device.
+
+``torch.nn.DataParallel`` runs a training step in four moves, and so does this
+module, one function each:
+
+1. :func:`scatter` splits the batch into one chunk per device (``torch.chunk``
+   sizes: ``ceil(B / n)`` each, the last one smaller; a batch of 5 on 4 devices
+   gives chunks 2, 2, 1: only 3 devices work).
+2. :func:`replicate` gives every device its own copy of the model. The copies
+   are made *through autograd*, so the gradients computed by each copy flow
+   back and are summed into the original's ``.grad`` (the all-reduce of
+   DataParallel is autograd's own accumulation).
+3. :func:`parallel_apply` runs each replica on its chunk in its own Python
+   thread. Grad mode and autocast are thread-local in PyTorch, so they are
+   carried into each thread by hand.
+4. :func:`gather` concatenates the outputs on one device (device 0), where the
+   loss is computed.
+
+What it costs: every forward re-copies the weights to every device, and device
+0 holds the whole batch's outputs and their gradients (lab 02 measures that).
+The Python threads share one GIL, so the CPU time spent in Python (launching
+kernels, hooks) does not scale with devices: DataParallel stops scaling beyond a
+few GPUs, and DistributedDataParallel (one process per device) replaces it.
+
+Without GPUs, the devices are *virtual*: several entries that are all
+``torch.device("cpu")``. Each replica is still a separate module run by its own
+thread, so the algorithm (and its numbers) are the same; only the copies are
+free, because a replica on the device where the weights live uses a
+differentiable view of them instead of a copy.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+import warnings
+from typing import Any, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import memory_account as _acct
+
+Devices = Optional[Sequence[Any]]
+
+
+def _as_device(d: Any) -> torch.device:
+    """``3`` -> ``cuda:3`` (``cpu`` without GPUs), ``-1`` -> ``cpu``, strings and devices as given."""
+    if isinstance(d, torch.device):
+        return d
+    if isinstance(d, str):
+        return torch.device(d)
+    if isinstance(d, int) and not isinstance(d, bool):
+        if d < 0 or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", d)
+    raise TypeError(f"expected a device (int, str or torch.device), got {d!r}")
+
+
+def as_devices(device_ids: Devices = None) -> List[torch.device]:
+    """Normalise ``device_ids``: ``None`` means :func:`mgpu_lab.devices` (all GPUs, or 2 virtual CPUs).
+
+    Integers name GPUs; without GPUs, ``device_ids=[0, 1, 2]`` means three
+    virtual devices on the CPU.
+    """
+    if device_ids is None:
+        from .devices import devices
+
+        return devices()
+    out = [_as_device(d) for d in device_ids]
+    if not out:
+        raise ValueError("device_ids is empty: pass at least one device, or None for all of them")
+    return out
+
+
+def device_name(devices: Sequence[torch.device], i: int) -> str:
+    """``cuda:1``, or ``cpu (virtual device 1)`` when several entries share the CPU."""
+    d = devices[i]
+    shared = sum(1 for e in devices if e == d) > 1
+    return f"{d} (virtual device {i})" if shared else str(d)
+
+
+# --------------------------------------------------------------------- scatter
+def _scatter_tensor(t: torch.Tensor, devices: List[torch.device], dim: int) -> list:
+    if t.dim() == 0:
+        raise ValueError("scatter: cannot split a 0-dim tensor; give it a batch dimension, "
+                         "or pass a Python number (it is copied to every device)")
+    if t.size(dim) == 0:
+        raise ValueError(f"scatter: the batch is empty (size 0 along dim {dim}); pass at least one sample")
+    chunks = torch.chunk(t, len(devices), dim)  # may be fewer than len(devices)
+    out = []
+    for i, c in enumerate(chunks):
+        c = c.to(devices[i], non_blocking=True)  # a view on the same device, a copy elsewhere
+        _acct.charge(i, c, "inputs")
+        out.append(c)
+    return out
+
+
+def _zip(parts: list, where: str) -> list:
+    """zip(*parts) that refuses tensors split into different numbers of chunks."""
+    counts = {len(p) for p, from_tensor in parts if from_tensor}
+    if len(counts) > 1:
+        raise ValueError(f"scatter: the tensors in {where} split into different numbers of chunks "
+                         f"{sorted(counts)}: give every tensor the same size along the batch dim")
+    return list(zip(*[p for p, _ in parts]))
+
+
+def scatter(obj: Any, devices: Devices, dim: int = 0) -> list:
+    """Split every tensor in ``obj`` (nested tuples/lists/dicts) into per-device chunks.
+
+    Returns one entry per chunk, with ``obj``'s structure. Other objects are
+    passed to every chunk unchanged. There are ``len(torch.chunk(x, n))``
+    entries, which is fewer than ``n`` devices when the batch is small.
+    """
+    devices = as_devices(devices)
+
+    def scatter_map(o):  # -> (list of per-device values, whether a tensor set the length)
+        if isinstance(o, torch.Tensor):
+            return _scatter_tensor(o, devices, dim), True
+        if isinstance(o, (tuple, list, dict)) and len(o) > 0:
+            values = list(o.values()) if isinstance(o, dict) else list(o)
+            parts = [scatter_map(v) for v in values]
+            rows = _zip(parts, type(o).__name__)
+            has_tensor = any(f for _, f in parts)
+            if isinstance(o, dict):
+                return [type(o)(zip(o.keys(), r)) for r in rows], has_tensor
+            if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple
+                return [type(o)(*r) for r in rows], has_tensor
+            return [type(o)(r) for r in rows], has_tensor
+        return [o for _ in devices], False
+
+    return scatter_map(obj)[0]
+
+
+def scatter_kwargs(inputs: tuple, kwargs: Optional[dict], devices: Devices, dim: int = 0):
+    """Scatter positional and keyword arguments; pad the shorter list (as torch does)."""
+    ins = scatter(inputs, devices, dim) if inputs else []
+    kws = scatter(kwargs, devices, dim) if kwargs else []
+    if ins and kws and len(ins) != len(kws):
+        raise ValueError(f"scatter: positional arguments split into {len(ins)} chunks but keyword "
+                         f"arguments into {len(kws)}: give them the same batch size")
+    n = max(len(ins), len(kws), 1)
+    ins = list(ins) or [() for _ in range(n)]
+    kws = list(kws) or [{} for _ in range(n)]
+    return [tuple(i) for i in ins], kws
+
+
+# ------------------------------------------------------------------- replicate
+def replicate(module: nn.Module, devices: Devices) -> List[nn.Module]:
+    """One replica of ``module`` per device, connected to it through autograd.
+
+    A replica is a shallow copy of each submodule whose parameters are
+    differentiable copies of the original's: ``p.to(device)`` on another device,
+    a differentiable view ``p.view_as(p)`` on the device where ``p`` lives (no
+    bytes copied). ``loss.backward()`` therefore sums every replica's gradient
+    into ``module``'s ``.grad``. Buffers (BatchNorm statistics) are aliased by
+    replica 0 only, so its updates persist, as in ``torch.nn.DataParallel``;
+    the other replicas get detached copies. Shared submodules and tied
+    parameters stay shared inside each replica.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replicate: expected an nn.Module, got {type(module).__name__}")
+    devices = as_devices(devices)
+    grad = torch.is_grad_enabled()
+
+    def copy_param(p, i, dev):
+        track = grad and p.requires_grad
+        if p.device == dev:
+            c = p.view_as(p) if track else p.detach()
+        else:
+            c = p.to(dev, copy=True) if track else p.detach().to(dev, copy=True)
+        _acct.charge(i, c, "weights")
+        _acct.track_grad(i, c, "gradients")
+        if i == 0 and track:
+            _acct.track_grad(0, p, "gradients")  # where the replicas' gradients are summed
+        return c
+
+    def copy_buffer(b, i, dev):
+        c = b if (i == 0 and b.device == dev) else b.detach().to(dev, copy=True)
+        _acct.charge(i, c, "weights")
+        return c
+
+    replicas = []
+    for i, dev in enumerate(devices):
+        tensors, mods = {}, {}
+
+        def rep(m):
+            if id(m) in mods:
+                return mods[id(m)]
+            r = m.__new__(type(m))
+            r.__dict__ = m.__dict__.copy()
+            r._parameters, r._buffers, r._modules = {}, {}, {}
+            r._is_replica = True
+            mods[id(m)] = r
+            for k, p in m._parameters.items():
+                if p is not None and id(p) not in tensors:
+                    tensors[id(p)] = copy_param(p, i, dev)
+                r._parameters[k] = None if p is None else tensors[id(p)]
+            for k, b in m._buffers.items():
+                if b is not None and id(b) not in tensors:
+                    tensors[id(b)] = copy_buffer(b, i, dev)
+                r._buffers[k] = None if b is None else tensors[id(b)]
+            for k, child in m._modules.items():
+                r._modules[k] = None if child is None else rep(child)
+            return r
+
+        replicas.append(rep(module))
+    return replicas
+
+
+# -------------------------------------------------------------- parallel_apply
+def _autocast_state() -> list:
+    """The autocast settings of the calling thread, per device type, to re-enter in a worker."""
+    state = []
+    for dt in ("cpu", "cuda"):
+        try:
+            on = torch.is_autocast_enabled(dt)
+            dtype = torch.get_autocast_dtype(dt)
+        except TypeError:  # torch < 2.4
+            on = torch.is_autocast_cpu_enabled() if dt == "cpu" else torch.is_autocast_enabled()
+            dtype = torch.get_autocast_cpu_dtype() if dt == "cpu" else torch.get_autocast_gpu_dtype()
+        if on:
+            state.append((dt, dtype))
+    return state
+
+
+def _first_device(module: nn.Module, inp: Any) -> torch.device:
+    stack = [inp]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            return o.device
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def parallel_apply(modules: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Optional[Sequence[dict]] = None,
+                   devices: Devices = None, timeout: float = 600.0) -> list:
+    """Run ``modules[i](*inputs[i], **kwargs[i])``, one thread per replica; return the outputs in order.
+
+    Grad mode and autocast (CPU and CUDA, with their dtypes) are read in the
+    calling thread and re-entered in every worker; on CUDA each worker runs on
+    its device's current stream. An exception in a worker is re-raised here,
+    naming the replica and its device. A worker still running after
+    ``timeout`` seconds raises ``TimeoutError``.
+    """
+    n = len(modules)
+    if len(inputs) != n:
+        raise ValueError(f"parallel_apply: {n} modules but {len(inputs)} inputs; pass one input per replica")
+    kwargs = [{} for _ in range(n)] if kwargs is None else list(kwargs)
+    if len(kwargs) != n:
+        raise ValueError(f"parallel_apply: {n} modules but {len(kwargs)} kwargs dicts")
+    inputs = [x if isinstance(x, (list, tuple)) else (x,) for x in inputs]
+    if devices is not None and len(as_devices(devices)) < n:
+        raise ValueError(f"parallel_apply: {n} modules but only {len(as_devices(devices))} devices")
+    devs = as_devices(devices)[:n] if devices is not None else [
+        _first_device(m, x) for m, x in zip(modules, inputs)]
+    grad_enabled, autocast = torch.is_grad_enabled(), _autocast_state()
+    streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devs]
+    results, errors = [None] * n, [None] * n
+
+    def worker(i):
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.set_grad_enabled(grad_enabled))
+                stack.enter_context(_acct.worker_scope(i))
+                if streams[i] is not None:
+                    stack.enter_context(torch.cuda.device(devs[i]))
+                    stack.enter_context(torch.cuda.stream(streams[i]))
+                for dt, dtype in autocast:
+                    stack.enter_context(torch.autocast(dt, dtype=dtype))
+                results[i] = modules[i](*inputs[i], **kwargs[i])
+            _acct.charge_output(i, results[i])
+        except BaseException as e:  # re-raised in the calling thread
+            errors[i] = (e, traceback.format_exc())
+
+    if n == 1:
+        worker(0)
+    else:
+        threads = [threading.Thread(target=worker, args=(i,), name=f"replica-{i}", daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        alive = [i for i, t in enumerate(threads) if t.is_alive()]
+        if alive:
+            raise TimeoutError(f"parallel_apply: replicas {alive} still running after {timeout} s")
+    for i, err in enumerate(errors):
+        if err is not None:
+            e, tb = err
+            msg = f"Caught {type(e).__name__} in replica {i} on device {device_name(devs, i)}.\nOriginal {tb}"
+            try:
+                new = type(e)(msg)
+            except Exception:
+                new = RuntimeError(msg)
+            raise new from e
+    return results
+
+
+# ---------------------------------------------------------------------- gather
+def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
+    """Concatenate per-device outputs (nested tuples/lists/dicts) on ``target_device``.
+
+    Differentiable: backward slices the gradient and sends each piece back to
+    its device. 0-dim outputs (per-device losses) become a vector, with a
+    warning, as in ``torch.nn.DataParallel``. ``target_device=-1`` means CPU.
+    """
+    if len(outputs) == 0:
+        raise ValueError("gather: no outputs to gather")
+    target = _as_device(target_device)
+
+    def gather_map(outs):
+        out = outs[0]
+        if isinstance(out, torch.Tensor):
+            if not all(isinstance(o, torch.Tensor) for o in outs):
+                raise TypeError("gather: a tensor on one device but not on another")
+            if all(o.dim() == 0 for o in outs):
+                warnings.warn("gather: all outputs are scalars; returning them as a vector (one per device)")
+                outs = [o.view(1) for o in outs]
+            res = torch.cat([o.to(target, non_blocking=True) for o in outs], dim)
+            _acct.charge_on(target, res, "gathered")
+            return res
+        if out is None:
+            return None
+        if isinstance(out, dict):
+            if any(set(o) != set(out) for o in outs):
+                raise ValueError("gather: the per-device dicts have different keys")
+            return type(out)((k, gather_map([o[k] for o in outs])) for k in out)
+        if isinstance(out, (list, tuple)):
+            if any(len(o) != len(out) for o in outs):
+                raise ValueError("gather: the per-device sequences have different lengths")
+            vals = [gather_map(list(v)) for v in zip(*outs)]
+            return type(out)(*vals) if hasattr(out, "_fields") else type(out)(vals)
+        raise TypeError(f"gather: cannot gather {type(out).__name__}; return tensors "
+                        "(or tuples/lists/dicts of tensors) from the module")
+
+    return gather_map(list(outputs))
+
+
+# ---------------------------------------------------------------- DataParallel
+class DataParallel(nn.Module):
+    """``torch.nn.DataParallel``, written with the four functions above.
+
+    ``forward`` scatters the inputs over ``device_ids``, replicates the module,
+    runs the replicas in parallel and gathers the outputs on ``output_device``
+    (default: ``device_ids[0]``, where the module must live). With one device
+    it calls the module directly. The wrapped module is ``.module`` (so a
+    ``state_dict`` has ``module.`` prefixes, as with PyTorch's).
+    """
+
+    def __init__(self, module: nn.Module, device_ids: Devices = None, output_device: Any = None, dim: int = 0):
+        super().__init__()
+        self.module = module
+        self.device_ids = as_devices(device_ids)
+        self.output_device = self.device_ids[0] if output_device is None else _as_device(output_device)
+        self.dim = dim
+
+    def _check_module_device(self):
+        src = self.device_ids[0]
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            if t.device != src:
+                raise ValueError(f"{type(self).__name__}: the module's parameters and buffers must be on "
+                                 f"device_ids[0] = {src}, found one on {t.device}; call module.to('{src}') first")
+
+    def forward(self, *inputs, **kwargs):
+        self._check_module_device()
+        ins, kws = scatter_kwargs(inputs, kwargs, self.device_ids, self.dim)
+        if len(self.device_ids) == 1:
+            return self._single(self.module(*ins[0], **kws[0]))
+        used = self.device_ids[: len(ins)]
+        replicas = replicate(self.module, used)
+        outputs = parallel_apply(replicas, ins, kws, used)
+        return self.gather(outputs, self.output_device)
+
+    def _single(self, output):
+        return output
+
+    def gather(self, outputs: list, output_device: torch.device) -> Any:
+        return gather(outputs, output_device, dim=self.dim)

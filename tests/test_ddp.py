@@ -1,0 +1,239 @@
+"""NaiveDDP and BucketedDDP train to the parameters of one process on the full batch,
+and of torch's DistributedDataParallel (gloo, N = 2, 3, 4).
+
+The model has a frozen layer, a bias with requires_grad=False, a buffer, and an
+output projection tied to the embedding. Each rank builds it from a different
+seed, so only the broadcast at construction makes the replicas equal.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mgpu_lab import BucketedDDP, NaiveDDP, launch
+
+VOCAB, DIM, BATCH, SEQ, STEPS = 32, 16, 12, 5, 4  # BATCH divisible by 2, 3 and 4
+
+
+class TiedNet(nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)  # a frozen layer
+        self.head = nn.Linear(DIM, VOCAB)
+        self.head.weight = self.embed.weight  # tied weights
+        self.head.bias.requires_grad_(False)  # a bias without grad
+        self.register_buffer("scale", torch.rand(DIM) + 0.5)
+
+    def forward(self, idx):
+        h = torch.tanh(self.hidden(self.embed(idx))) * self.scale
+        return self.head(torch.tanh(self.frozen(h)))
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+
+
+def _loss(model, x, y):
+    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _optimizer(name, params):
+    params = [p for p in params if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.02)
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+
+
+def _train_cases():
+    """In every rank: train each wrapper, return max parameter differences."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    batches = _batches()
+    out = {}
+    for opt_name in ("sgd", "adam"):
+        # The single-process reference: rank 0's initial weights, the full batch.
+        ref = TiedNet(seed=0)
+        ref_opt = _optimizer(opt_name, ref.parameters())
+        for x, y in batches:
+            ref_opt.zero_grad()
+            _loss(ref, x, y).backward()
+            ref_opt.step()
+        torch_ddp = DistributedDataParallel(TiedNet(seed=0))
+        wrappers = {
+            "naive": NaiveDDP(TiedNet(seed=rank)),
+            "bucketed_many": BucketedDDP(TiedNet(seed=rank), bucket_cap_mb=1.1e-3),  # 1153-byte buckets
+            "bucketed_one": BucketedDDP(TiedNet(seed=rank)),
+            "torch_ddp": torch_ddp,
+        }
+        launched = {}
+        for name, model in wrappers.items():
+            opt = _optimizer(opt_name, model.parameters())
+            launched[name] = []
+            for x, y in batches:
+                opt.zero_grad()
+                _loss(model, x[lo:hi], y[lo:hi]).backward()
+                if isinstance(model, BucketedDDP):
+                    launched[name].append(model.buckets_in_flight)
+                if name != "torch_ddp":
+                    model.finish_gradient_synchronization()
+                opt.step()
+        for name, model in wrappers.items():  # all trained: compare
+            out[(opt_name, name)] = dict(
+                vs_full_batch=_max_diff(model.module, ref),
+                moved=_max_diff(model.module, TiedNet(seed=0)),
+                vs_torch_ddp=_max_diff(model.module, torch_ddp.module),
+                frozen_unchanged=_max_diff(model.module.frozen, TiedNet(seed=0).frozen),
+                bias_unchanged=(model.module.head.bias - TiedNet(seed=0).head.bias).abs().max().item(),
+                tied=model.module.head.weight is model.module.embed.weight,
+                state=model.module.state_dict(),
+                buckets=model.buckets if isinstance(model, BucketedDDP) else None,
+                launched_during_backward=launched[name],
+            )
+    return out
+
+
+def _no_sync_cases():
+    """Two micro-batches, the first inside no_sync: local sums, then the full-batch gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    mid = (lo + hi) // 2 if hi - lo > 1 else hi
+    x, y = _batches()[0]
+    ref = TiedNet(seed=0)
+    _loss(ref, x, y).backward()
+    full = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    local_ref = TiedNet(seed=0)
+    (_loss(local_ref, x[lo:mid], y[lo:mid]) * (mid - lo) / (hi - lo)).backward()
+    out = {}
+    for name, model in {"naive": NaiveDDP(TiedNet(seed=rank)),
+                        "bucketed": BucketedDDP(TiedNet(seed=rank), bucket_cap_mb=1e-3)}.items():
+        with model.no_sync():
+            (_loss(model, x[lo:mid], y[lo:mid]) * (mid - lo) / (hi - lo)).backward()
+            model.finish_gradient_synchronization()  # a no-op inside no_sync
+        inside = max((p.grad - local_ref.get_parameter(n).grad).abs().max().item()
+                     for n, p in model.module.named_parameters() if p.grad is not None)
+        if mid < hi:
+            (_loss(model, x[mid:hi], y[mid:hi]) * (hi - mid) / (hi - lo)).backward()
+        model.finish_gradient_synchronization()
+        synced = max((p.grad - full[n]).abs().max().item()
+                     for n, p in model.module.named_parameters() if p.grad is not None)
+        out[name] = (inside, synced, sorted(n for n, p in model.module.named_parameters()
+                                            if p.grad is not None))
+    return out, sorted(full)
+
+
+def _errors_and_unused():
+    rank = dist.get_rank()
+    res = {}
+    for key, call in {"cap": lambda: BucketedDDP(nn.Linear(2, 2), bucket_cap_mb=0),
+                      "module": lambda: NaiveDDP(lambda x: x)}.items():
+        try:
+            call()
+            res[key] = None
+        except (TypeError, ValueError) as e:
+            res[key] = str(e)
+    model = BucketedDDP(nn.Linear(3, 3))
+    model(torch.ones(1, 3)).sum().backward()
+    try:
+        model(torch.ones(1, 3)).sum().backward()  # forgot finish_gradient_synchronization()
+        res["twice"] = None
+    except RuntimeError as e:
+        res["twice"] = str(e)
+    # A layer used only on rank 0: the others contribute zeros, nobody hangs.
+    def net():
+        torch.manual_seed(0)
+        return nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+    ref = net()
+    ref["b"](ref["a"](torch.ones(2, 3))).sum().backward()
+    res["expected"] = ref["b"].weight.grad / dist.get_world_size()  # rank 0's, averaged with zeros
+    for cls in (NaiveDDP, BucketedDDP):
+        m = cls(net())
+        h = m.module["a"](torch.ones(2, 3))
+        (m.module["b"](h) if rank == 0 else h).sum().backward()
+        m.finish_gradient_synchronization()
+        res[cls.__name__] = m.module["b"].weight.grad
+    dist.barrier()
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ddp_matches_full_batch_and_torch_ddp(world):
+    results = launch(_train_cases, nprocs=world, timeout=180)
+    for key, r in results[0].items():
+        label = f"N={world} {key}"
+        assert r["vs_full_batch"] < 2e-5, (label, r["vs_full_batch"])
+        assert r["vs_torch_ddp"] < 2e-5, (label, r["vs_torch_ddp"])
+        assert r["frozen_unchanged"] == 0.0 and r["bias_unchanged"] == 0.0, label
+        assert r["tied"], label
+        for other in results[1:]:  # every replica holds the same bits
+            assert all(torch.equal(v, other[key]["state"][k]) for k, v in r["state"].items()), label
+        if key[1] == "bucketed_many":  # reverse parameter order; the tied weight once
+            assert r["buckets"] == [["hidden.bias", "hidden.weight"], ["embed.weight"]], label
+        if key[1] == "bucketed_one":
+            assert r["buckets"] == [["hidden.bias", "hidden.weight", "embed.weight"]], label
+        if r["buckets"]:  # every bucket was launched by the hooks, during backward
+            assert r["launched_during_backward"] == [len(r["buckets"])] * STEPS, label
+        assert r["moved"] > 1e-2, label  # training did change the parameters
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_no_sync_accumulates_locally_then_syncs(world):
+    results = launch(_no_sync_cases, nprocs=world, timeout=120)
+    for rank, (out, full_names) in enumerate(results):
+        for name, (inside, synced, names) in out.items():
+            assert inside < 1e-6, (world, rank, name, inside)  # local gradient, no communication
+            assert synced < 1e-6, (world, rank, name, synced)  # then the full-batch gradient
+            assert names == full_names == ["embed.weight", "hidden.bias", "hidden.weight"]
+
+
+def test_bad_input_and_unused_parameter():
+    results = launch(_errors_and_unused, nprocs=2, timeout=60)
+    for res in results:
+        assert "bucket_cap_mb" in res["cap"]
+        assert "nn.Module" in res["module"]
+        assert "finish_gradient_synchronization" in res["twice"]
+        for cls in ("NaiveDDP", "BucketedDDP"):
+            assert torch.equal(res[cls], results[0][cls])  # ranks agree
+            torch.testing.assert_close(res[cls], res["expected"])
+
+
+def test_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    with pytest.raises(RuntimeError, match="not initialised"):
+        NaiveDDP(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        BucketedDDP(nn.Linear(2, 2), bucket_cap_mb=-1)
+
+
+def _gpu_equivalence():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank)
+    x, y = (t.to(device) for t in _batches()[0])
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    ref = TiedNet(seed=0).to(device)
+    _loss(ref, x, y).backward()
+    model = BucketedDDP(TiedNet(seed=rank).to(device), bucket_cap_mb=1e-3)
+    _loss(model, x[lo:hi], y[lo:hi]).backward()
+    model.finish_gradient_synchronization()
+    return max((p.grad - ref.get_parameter(n).grad).abs().max().item()
+               for n, p in model.module.named_parameters() if p.grad is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_bucketed_ddp_on_nccl():
+    assert max(launch(_gpu_equivalence, nprocs=2)) < 1e-4

@@ -1,0 +1,187 @@
+"""labs/ generated from solutions/: markers, metadata, freshness, execution, sanitizing."""
+import json
+import re
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from mgpu_lab import notebooks
+from mgpu_lab.cli import main as cli
+from mgpu_lab.notebooks import MarkerError, build_labs, make_lab, strip_solution
+
+DATA = Path(__file__).parent / "data" / "grader"
+TOY = DATA / "solutions" / "toy.ipynb"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_labs_are_fresh(capsys):
+    """labs/ must be what `mgpu-lab labs build` makes from solutions/ today."""
+    code = cli(["labs", "build", "--check"])
+    out = capsys.readouterr()
+    assert code == 0, "labs/ is stale; run `mgpu-lab labs build`:\n" + out.out + out.err
+    assert sorted(p.name for p in (ROOT / "labs").glob("*.ipynb")) == \
+        sorted(p.name for p in (ROOT / "solutions").glob("*.ipynb"))
+
+
+def test_solution_region_becomes_stub_at_its_indentation():
+    source = ("def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    if x:\n        return x + y\n"
+              "    return y\n    ### END SOLUTION\n\nprint('kept')")
+    assert strip_solution(source) == ("def f(x):\n    y = 1\n    # YOUR CODE HERE\n"
+                                      "    raise NotImplementedError()\n\nprint('kept')")
+    top = "### BEGIN SOLUTION\nx = 1\n### END SOLUTION"
+    assert strip_solution(top) == "# YOUR CODE HERE\nraise NotImplementedError()"
+    assert strip_solution("Answer:\n### BEGIN SOLUTION\n42\n### END SOLUTION", "markdown") == \
+        "Answer:\nYOUR ANSWER HERE"
+
+
+def test_hidden_tests_are_removed():
+    source = ("assert f(1) == 2\n### BEGIN HIDDEN TESTS\nassert f(2) == 3\n"
+              "### END HIDDEN TESTS\nprint('ok')")
+    assert strip_solution(source) == "assert f(1) == 2\nprint('ok')"
+
+
+@pytest.mark.parametrize("source, words", [
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\nx\n### END SOLUTION\n### END SOLUTION", "nested"),
+    ("x = 1\n### BEGIN SOLUTION\nx = 2", "line 2.*never closed"),
+    ("x = 1\n### END SOLUTION", "without"),
+    ("### BEGIN HIDDEN TESTS\nassert 1", "never closed"),
+])
+def test_bad_markers_are_errors(source, words):
+    with pytest.raises(MarkerError, match=words):
+        strip_solution(source)
+
+
+def _toy():
+    return nbformat.read(TOY, as_version=4)
+
+
+def test_make_lab_clears_outputs_keeps_metadata_and_locks_tests():
+    solution = _toy()
+    solution.cells[3].outputs = [nbformat.v4.new_output("stream", name="stdout", text="ok\n")]
+    solution.cells[3].execution_count = 4
+    before = json.dumps(solution, sort_keys=True)
+    lab = make_lab(solution)
+    assert json.dumps(solution, sort_keys=True) == before, "make_lab must not change its input"
+    assert len(lab.cells) == len(solution.cells)
+    for s, l in zip(solution.cells, lab.cells):
+        assert l.metadata.get("nbgrader") == s.metadata.get("nbgrader")
+        if l.cell_type == "code":
+            assert l.outputs == [] and l.execution_count is None
+    text = nbformat.writes(lab)
+    assert "return a + b" not in text and "assert mul(-1, 4)" not in text
+    assert "raise NotImplementedError()" in lab.cells[2].source
+    graded = [c for c in lab.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    assert len(graded) == 2
+    assert all(c.metadata["editable"] is False and c.metadata["deletable"] is False for c in graded)
+    assert "editable" not in lab.cells[2].metadata  # the exercise stays editable
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda nb: nb.cells[2].metadata.pop("nbgrader"), "without nbgrader metadata"),
+    (lambda nb: nb.cells[4].metadata["nbgrader"].update(grade_id="add"), "used twice"),
+    (lambda nb: nb.cells[3].metadata["nbgrader"].pop("points"), "numeric 'points'"),
+    (lambda nb: nb.cells.__setitem__(1, nbformat.v4.new_code_cell(
+        "### BEGIN HIDDEN TESTS\nassert 1\n### END HIDDEN TESTS")), "not graded"),
+])
+def test_metadata_mistakes_are_errors(change, words):
+    nb = _toy()
+    change(nb)
+    with pytest.raises(MarkerError, match=words):
+        make_lab(nb)
+
+
+def test_build_check_detects_stale_missing_and_orphan_labs(tmp_path, capsys):
+    solutions, labs = tmp_path / "solutions", tmp_path / "labs"
+    solutions.mkdir()
+    shutil.copy(TOY, solutions / "01_toy.ipynb")
+    args = ["labs", "build", "--solutions", str(solutions), "--labs", str(labs)]
+    assert cli(args + ["--check"]) == 1                 # missing
+    assert "missing" in capsys.readouterr().out
+    assert cli(args) == 0 and (labs / "01_toy.ipynb").exists()
+    assert cli(args + ["--check"]) == 0
+    nb = nbformat.read(solutions / "01_toy.ipynb", as_version=4)
+    nb.cells[0].source += "\nOne more line."
+    nbformat.write(nb, solutions / "01_toy.ipynb")
+    (labs / "99_orphan.ipynb").write_text("{}")
+    capsys.readouterr()
+    assert cli(args + ["--check"]) == 1
+    out = capsys.readouterr().out
+    assert "01_toy.ipynb (stale)" in out and "99_orphan.ipynb (no solution" in out
+    assert build_labs(solutions, labs) and not (labs / "99_orphan.ipynb").exists()
+    assert "One more line." in (labs / "01_toy.ipynb").read_text()
+    assert build_labs(solutions, labs, check=True) == []
+
+
+def test_build_reports_bad_markers_as_usage_error(tmp_path, capsys):
+    nb = _toy()
+    nb.cells[2].source = nb.cells[2].source.replace("### END SOLUTION", "")
+    (tmp_path / "s").mkdir()
+    nbformat.write(nb, tmp_path / "s" / "toy.ipynb")
+    assert cli(["labs", "build", "--solutions", str(tmp_path / "s"),
+                "--labs", str(tmp_path / "l")]) == 2
+    err = capsys.readouterr().err
+    assert "toy.ipynb" in err and "cell 2" in err and "never closed" in err
+
+
+def test_execute_stores_outputs_without_temp_paths(tmp_path):
+    nb = _toy()
+    nb.cells.insert(1, nbformat.v4.new_code_cell(
+        "import warnings\nwarnings.warn('careful')\nprint(6 * 7)"))
+    path = tmp_path / "toy.ipynb"
+    nbformat.write(nb, path)
+    assert cli(["labs", "execute", str(path)]) == 0
+    done = nbformat.read(path, as_version=4)
+    code = [c for c in done.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code)
+    texts = {o.name: o.text for o in code[0].outputs}
+    assert texts["stdout"] == "42\n"
+    assert "UserWarning: careful" in texts["stderr"] and texts["stderr"].startswith("<cell>:2:")
+    assert "ipykernel_" not in path.read_text()
+    assert "mul passed" in path.read_text()
+    assert "language_info" in done.metadata
+
+
+def test_execute_fails_on_an_error(tmp_path, capsys):
+    nb = _toy()
+    nb.cells[4].source = nb.cells[4].source.replace("a * b", "a + b")
+    nbformat.write(nb, tmp_path / "toy.ipynb")
+    assert cli(["labs", "execute", str(tmp_path / "toy.ipynb")]) == 1
+    assert "AssertionError" in capsys.readouterr().err
+    assert cli(["labs", "execute", str(tmp_path / "nope.ipynb")]) == 2
+
+
+def _sanitize(text):
+    from nbval.plugin import get_sanitize_patterns
+    patterns = get_sanitize_patterns((ROOT / "solutions" / "sanitize.cfg").read_text())
+    assert len(patterns) >= 8
+    for regex, replace in patterns:
+        text = re.sub(regex, replace, text)
+    return text
+
+
+@pytest.mark.parametrize("a, b", [
+    ("/tmp/ipykernel_4242/3141592653.py:3: UserWarning: x", "<cell>:3: UserWarning: x"),
+    ("step took 0.53 s, 12.5ms per batch", "step took 1.20 s, 9.1ms per batch"),
+    ("NVIDIA H100 80GB HBM3, 79.1 GiB free", "Tesla T4, 14.6 GiB free"),
+    ("object at 0x7f3a12bc4560", "object at 0x55d0aa01be10"),
+    ("store on localhost:29500", "store on localhost:41234"),
+    ("1234.5 samples/s", "998.0 samples/s"),
+])
+def test_sanitize_cfg_hides_what_varies(a, b):
+    assert _sanitize(a) == _sanitize(b)
+
+
+@pytest.mark.parametrize("a, b", [
+    ("loss 0.1234 at step 10", "loss 0.1235 at step 10"),
+    ("[rank 0] 4 rows", "[rank 1] 4 rows"),
+    ("rank_slice passed", "rank_slice failed"),
+    ("grad norm 3.5000", "grad norm 3.5001"),
+])
+def test_sanitize_cfg_keeps_what_is_checked(a, b):
+    assert _sanitize(a) == a and _sanitize(a) != _sanitize(b)
+
+
+def test_kernel_path_regex_matches_the_sanitize_cfg():
+    assert notebooks.KERNEL_PATH.pattern in (ROOT / "solutions" / "sanitize.cfg").read_text()
