@@ -40,6 +40,8 @@ cmd="${1:-}"
 case "$cmd" in
   lab)
     setup
+    # Jupyter refuses to run as root (containers, cloud VMs) unless told it is fine.
+    [ "$(id -u)" = 0 ] && set -- --allow-root "$@"
     exec "$VENV/bin/jupyter" lab labs/ "$@"
     ;;
   tour)

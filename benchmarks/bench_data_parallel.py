@@ -31,8 +31,9 @@ from mgpu_lab import DataParallel, DataParallelCriterion, DataParallelModel, acc
 
 
 def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    """Wait for every GPU: DataParallel runs kernels on all of them, not just the current one."""
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        torch.cuda.synchronize(i)
 
 
 def step_ms(model, x, y):

@@ -23,8 +23,8 @@ actually sent, so it can be checked against ``allreduce_bytes`` (the theory).
 
 Timeouts: every wait here is ``Work.wait()`` on a point-to-point request. On gloo
 that wait honours the process group's timeout (``init_process_group(timeout=...)``,
-``mgpu_lab.launch`` sets one), so a missing peer raises instead of hanging; on NCCL
-the watchdog enforces the same timeout.
+``mgpu_lab.launch`` sets one), so a missing peer raises, naming the ranks this one
+was waiting for, instead of hanging; on NCCL the watchdog enforces the same timeout.
 """
 from __future__ import annotations
 
@@ -191,21 +191,23 @@ def _reduce_into(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
         acc.mul_(incoming)
 
 
-def _exchange(send: Optional[torch.Tensor], dst: int,
-              recv: Optional[torch.Tensor], src: int, group) -> None:
-    """Send to dst and receive from src at the same time; wait for both.
+def _p2p(ops: List[dist.P2POp], what: str) -> None:
+    """Post point-to-point messages together and wait for all of them.
 
-    Both are posted before either is waited on, so neighbours that send to each
-    other cannot deadlock. Empty chunks are skipped (both ends know their size).
+    Posting every send and receive before waiting on any means neighbours that
+    send to each other cannot deadlock. Empty messages are skipped (both ends
+    know the sizes). A wait is bounded by the process group's timeout; when it
+    fails, the error says which peers this rank was waiting for.
     """
-    ops = []
-    if send is not None and send.numel() > 0:
-        ops.append(dist.P2POp(dist.isend, send, dst, group))
-    if recv is not None and recv.numel() > 0:
-        ops.append(dist.P2POp(dist.irecv, recv, src, group))
-    if ops:
+    ops = [op for op in ops if op.tensor.numel() > 0]
+    if not ops:
+        return
+    try:
         for work in dist.batch_isend_irecv(ops):
-            work.wait()  # bounded by the process group's timeout
+            work.wait()
+    except RuntimeError as e:
+        raise RuntimeError(f"rank {dist.get_rank()}: {what} failed ({e}). Usually a peer never reached "
+                           "this collective (it crashed, or took a rank-dependent branch).") from e
 
 
 def _peer(group, group_rank: int) -> int:
@@ -248,11 +250,12 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group=None) -> CommSta
             recv_chunk = messages[(rank - 1) % world][2]   # what the left neighbour sends
             if phase == "scatter-reduce":
                 incoming = scratch[: chunks[recv_chunk].numel()]
-                _exchange(send, right, incoming, left, group)
-                _reduce_into(chunks[recv_chunk], incoming, op)
             else:
                 incoming = chunks[recv_chunk]               # overwritten in place
-                _exchange(send, right, incoming, left, group)
+            _p2p([dist.P2POp(dist.isend, send, right, group), dist.P2POp(dist.irecv, incoming, left, group)],
+                 f"sending to rank {right} and receiving from rank {left}")
+            if phase == "scatter-reduce":
+                _reduce_into(chunks[recv_chunk], incoming, op)
             stats += CommStats(_nbytes(send), _nbytes(incoming), 1)
     if not tensor.is_contiguous():
         with torch.no_grad():
@@ -279,28 +282,23 @@ def naive_allreduce(tensor: torch.Tensor, root: int = 0, group=None, *,
     if world > 1:
         if rank == root:
             others = [r for r in range(world) if r != root]
+            peers = [_peer(group, r) for r in others]
             bufs = {r: torch.empty_like(flat) for r in others}
-            if flat.numel():
-                works = dist.batch_isend_irecv(
-                    [dist.P2POp(dist.irecv, bufs[r], _peer(group, r), group) for r in others])
-                for work in works:
-                    work.wait()  # bounded by the process group's timeout
+            _p2p([dist.P2POp(dist.irecv, bufs[r], p, group) for r, p in zip(others, peers)],
+                 f"receiving from ranks {peers}")
             contributions = [flat.clone() if r == root else bufs[r] for r in range(world)]
             flat.copy_(contributions[0])
             for c in contributions[1:]:
                 _reduce_into(flat, c, op)
             if op == "avg":
                 flat.div_(world)
-            if flat.numel():
-                works = dist.batch_isend_irecv(
-                    [dist.P2POp(dist.isend, flat, _peer(group, r), group) for r in others])
-                for work in works:
-                    work.wait()
+            _p2p([dist.P2POp(dist.isend, flat, p, group) for p in peers], f"sending to ranks {peers}")
             nbytes = _nbytes(flat) * (world - 1)
             stats = CommStats(nbytes, nbytes, 2)
         else:
-            _exchange(flat, _peer(group, root), None, _peer(group, root), group)  # up to the server
-            _exchange(None, _peer(group, root), flat, _peer(group, root), group)  # the result comes back
+            server = _peer(group, root)
+            _p2p([dist.P2POp(dist.isend, flat, server, group)], f"sending to root rank {server}")
+            _p2p([dist.P2POp(dist.irecv, flat, server, group)], f"receiving from root rank {server}")
             stats = CommStats(_nbytes(flat), _nbytes(flat), 2)
     if not tensor.is_contiguous():
         with torch.no_grad():

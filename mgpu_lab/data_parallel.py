@@ -41,44 +41,21 @@ import torch
 from torch import nn
 
 from . import memory_account as _acct
-
-Devices = Optional[Sequence[Any]]
-
-
-def _as_device(d: Any) -> torch.device:
-    """``3`` -> ``cuda:3`` (``cpu`` without GPUs), ``-1`` -> ``cpu``, strings and devices as given."""
-    if isinstance(d, torch.device):
-        return d
-    if isinstance(d, str):
-        return torch.device(d)
-    if isinstance(d, int) and not isinstance(d, bool):
-        if d < 0 or not torch.cuda.is_available():
-            return torch.device("cpu")
-        return torch.device("cuda", d)
-    raise TypeError(f"expected a device (int, str or torch.device), got {d!r}")
+from .devices import Devices, as_device, as_devices, device_name
 
 
-def as_devices(device_ids: Devices = None) -> List[torch.device]:
-    """Normalise ``device_ids``: ``None`` means :func:`mgpu_lab.devices` (all GPUs, or 2 virtual CPUs).
-
-    Integers name GPUs; without GPUs, ``device_ids=[0, 1, 2]`` means three
-    virtual devices on the CPU.
-    """
-    if device_ids is None:
-        from .devices import devices
-
-        return devices()
-    out = [_as_device(d) for d in device_ids]
-    if not out:
-        raise ValueError("device_ids is empty: pass at least one device, or None for all of them")
-    return out
-
-
-def device_name(devices: Sequence[torch.device], i: int) -> str:
-    """``cuda:1``, or ``cpu (virtual device 1)`` when several entries share the CPU."""
-    d = devices[i]
-    shared = sum(1 for e in devices if e == d) > 1
-    return f"{d} (virtual device {i})" if shared else str(d)
+def first_tensor(obj: Any) -> Optional[torch.Tensor]:
+    """The first tensor in a nested tuple/list/dict (breadth first), or None."""
+    queue = [obj]
+    while queue:
+        o = queue.pop(0)
+        if isinstance(o, torch.Tensor):
+            return o
+        if isinstance(o, dict):
+            queue.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            queue.extend(o)
+    return None
 
 
 # --------------------------------------------------------------------- scatter
@@ -91,7 +68,7 @@ def _scatter_tensor(t: torch.Tensor, devices: List[torch.device], dim: int) -> l
     chunks = torch.chunk(t, len(devices), dim)  # may be fewer than len(devices)
     out = []
     for i, c in enumerate(chunks):
-        c = c.to(devices[i], non_blocking=True)  # a view on the same device, a copy elsewhere
+        c = c.to(devices[i], non_blocking=devices[i].type == "cuda")  # a view on the same device, a copy elsewhere
         _acct.charge(i, c, "inputs")
         out.append(c)
     return out
@@ -134,16 +111,15 @@ def scatter(obj: Any, devices: Devices, dim: int = 0) -> list:
 
 
 def scatter_kwargs(inputs: tuple, kwargs: Optional[dict], devices: Devices, dim: int = 0):
-    """Scatter positional and keyword arguments; pad the shorter list (as torch does)."""
-    ins = scatter(inputs, devices, dim) if inputs else []
-    kws = scatter(kwargs, devices, dim) if kwargs else []
-    if ins and kws and len(ins) != len(kws):
-        raise ValueError(f"scatter: positional arguments split into {len(ins)} chunks but keyword "
-                         f"arguments into {len(kws)}: give them the same batch size")
-    n = max(len(ins), len(kws), 1)
-    ins = list(ins) or [() for _ in range(n)]
-    kws = list(kws) or [{} for _ in range(n)]
-    return [tuple(i) for i in ins], kws
+    """Scatter positional and keyword arguments together: one ``(args, kwargs)`` pair per chunk.
+
+    Their tensors must split into the same number of chunks; other arguments
+    (``scale=0.5``) go to every chunk. No arguments at all: one empty chunk.
+    """
+    if not inputs and not kwargs:
+        return [()], [{}]
+    parts = scatter((tuple(inputs), dict(kwargs or {})), devices, dim)
+    return [args for args, _ in parts], [kws for _, kws in parts]
 
 
 # ------------------------------------------------------------------- replicate
@@ -165,14 +141,11 @@ def replicate(module: nn.Module, devices: Devices) -> List[nn.Module]:
     grad = torch.is_grad_enabled()
 
     def copy_param(p, i, dev):
-        track = grad and p.requires_grad
-        if p.device == dev:
-            c = p.view_as(p) if track else p.detach()
-        else:
-            c = p.to(dev, copy=True) if track else p.detach().to(dev, copy=True)
+        c = p.view_as(p) if p.device == dev else p.to(dev, copy=True)  # recorded by autograd
+        c = c if grad and p.requires_grad else c.detach()  # (nothing recorded then anyway)
         _acct.charge(i, c, "weights")
-        _acct.track_grad(i, c, "gradients")
-        if i == 0 and track:
+        _acct.track_grad(i, c, "gradients")  # no-op for a detached copy
+        if i == 0 and c.requires_grad:
             _acct.track_grad(0, p, "gradients")  # where the replicas' gradients are summed
         return c
 
@@ -193,14 +166,11 @@ def replicate(module: nn.Module, devices: Devices) -> List[nn.Module]:
             r._parameters, r._buffers, r._modules = {}, {}, {}
             r._is_replica = True
             mods[id(m)] = r
-            for k, p in m._parameters.items():
-                if p is not None and id(p) not in tensors:
-                    tensors[id(p)] = copy_param(p, i, dev)
-                r._parameters[k] = None if p is None else tensors[id(p)]
-            for k, b in m._buffers.items():
-                if b is not None and id(b) not in tensors:
-                    tensors[id(b)] = copy_buffer(b, i, dev)
-                r._buffers[k] = None if b is None else tensors[id(b)]
+            for store, copy in (("_parameters", copy_param), ("_buffers", copy_buffer)):
+                for k, t in getattr(m, store).items():
+                    if t is not None and id(t) not in tensors:  # a tied tensor is copied once
+                        tensors[id(t)] = copy(t, i, dev)
+                    getattr(r, store)[k] = None if t is None else tensors[id(t)]
             for k, child in m._modules.items():
                 r._modules[k] = None if child is None else rep(child)
             return r
@@ -212,32 +182,15 @@ def replicate(module: nn.Module, devices: Devices) -> List[nn.Module]:
 # -------------------------------------------------------------- parallel_apply
 def _autocast_state() -> list:
     """The autocast settings of the calling thread, per device type, to re-enter in a worker."""
-    state = []
-    for dt in ("cpu", "cuda"):
-        try:
-            on = torch.is_autocast_enabled(dt)
-            dtype = torch.get_autocast_dtype(dt)
-        except TypeError:  # torch < 2.4
-            on = torch.is_autocast_cpu_enabled() if dt == "cpu" else torch.is_autocast_enabled()
-            dtype = torch.get_autocast_cpu_dtype() if dt == "cpu" else torch.get_autocast_gpu_dtype()
-        if on:
-            state.append((dt, dtype))
-    return state
+    return [(dt, torch.get_autocast_dtype(dt)) for dt in ("cpu", "cuda") if torch.is_autocast_enabled(dt)]
 
 
-def _first_device(module: nn.Module, inp: Any) -> torch.device:
-    stack = [inp]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            return o.device
-        if isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-    for t in list(module.parameters()) + list(module.buffers()):
-        return t.device
-    return torch.device("cpu")
+def _device_of(module: nn.Module, inp: Any) -> torch.device:
+    """Where a replica runs: its input's device, else its parameters', else the CPU."""
+    t = first_tensor(inp)
+    if t is None:
+        t = next(iter(list(module.parameters()) + list(module.buffers())), None)
+    return torch.device("cpu") if t is None else t.device
 
 
 def parallel_apply(modules: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Optional[Sequence[dict]] = None,
@@ -257,10 +210,9 @@ def parallel_apply(modules: Sequence[nn.Module], inputs: Sequence[Any], kwargs: 
     if len(kwargs) != n:
         raise ValueError(f"parallel_apply: {n} modules but {len(kwargs)} kwargs dicts")
     inputs = [x if isinstance(x, (list, tuple)) else (x,) for x in inputs]
-    if devices is not None and len(as_devices(devices)) < n:
-        raise ValueError(f"parallel_apply: {n} modules but only {len(as_devices(devices))} devices")
-    devs = as_devices(devices)[:n] if devices is not None else [
-        _first_device(m, x) for m, x in zip(modules, inputs)]
+    devs = [_device_of(m, x) for m, x in zip(modules, inputs)] if devices is None else as_devices(devices)[:n]
+    if len(devs) < n:
+        raise ValueError(f"parallel_apply: {n} modules but only {len(devs)} devices")
     grad_enabled, autocast = torch.is_grad_enabled(), _autocast_state()
     streams = [torch.cuda.current_stream(d) if d.type == "cuda" else None for d in devs]
     results, errors = [None] * n, [None] * n
@@ -314,7 +266,7 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
     """
     if len(outputs) == 0:
         raise ValueError("gather: no outputs to gather")
-    target = _as_device(target_device)
+    target = as_device(target_device)
 
     def gather_map(outs):
         out = outs[0]
@@ -324,7 +276,8 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
             if all(o.dim() == 0 for o in outs):
                 warnings.warn("gather: all outputs are scalars; returning them as a vector (one per device)")
                 outs = [o.view(1) for o in outs]
-            res = torch.cat([o.to(target, non_blocking=True) for o in outs], dim)
+            # non_blocking only towards a GPU: a CPU result must not be read before its copy lands
+            res = torch.cat([o.to(target, non_blocking=target.type == "cuda") for o in outs], dim)
             _acct.charge_on(target, res, "gathered")
             return res
         if out is None:
@@ -359,7 +312,7 @@ class DataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.device_ids = as_devices(device_ids)
-        self.output_device = self.device_ids[0] if output_device is None else _as_device(output_device)
+        self.output_device = self.device_ids[0] if output_device is None else as_device(output_device)
         self.dim = dim
 
     def _check_module_device(self):

@@ -242,8 +242,14 @@ class BucketedDDP(_DataParallelBase):
             return
         for bucket in self._buckets[self._next_bucket:]:
             self._launch(bucket)
-        for bucket in self._buckets:
-            bucket.work.wait()  # bounded by the process group's timeout
+        for b, bucket in enumerate(self._buckets):
+            try:
+                bucket.work.wait()  # bounded by the process group's timeout
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}: the all-reduce of bucket {b} ({self.buckets[b]}) failed ({e}). "
+                    "Every rank must run the same number of synchronised backward passes, each followed "
+                    "by finish_gradient_synchronization().") from e
             bucket.buffer.div_(self.world_size)
             for p, off in zip(bucket.params, bucket.offsets):
                 avg = bucket.buffer[off: off + p.numel()].view_as(p)

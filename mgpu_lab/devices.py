@@ -12,12 +12,14 @@ gloo. The algorithms are the same; only the speed differs.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_VIRTUAL_DEVICES = 2
+
+Devices = Optional[Sequence[Any]]  # device_ids as users write them: ints, strings, torch.devices, or None
 
 
 def gpu_count() -> int:
@@ -43,6 +45,40 @@ def devices(n: Optional[int] = None) -> List[torch.device]:
             "or check CUDA_VISIBLE_DEVICES."
         )
     return [torch.device("cuda", i) for i in range(n or count)]
+
+
+def as_device(d: Any) -> torch.device:
+    """``3`` -> ``cuda:3`` (``cpu`` without GPUs), ``-1`` -> ``cpu``, strings and devices as given."""
+    if isinstance(d, torch.device):
+        return d
+    if isinstance(d, str):
+        return torch.device(d)
+    if isinstance(d, int) and not isinstance(d, bool):
+        if d < 0 or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", d)
+    raise TypeError(f"expected a device (int, str or torch.device), got {d!r}")
+
+
+def as_devices(device_ids: Devices = None) -> List[torch.device]:
+    """Normalise ``device_ids``: ``None`` means :func:`devices` (all GPUs, or 2 virtual CPUs).
+
+    Integers name GPUs; without GPUs, ``device_ids=[0, 1, 2]`` means three
+    virtual devices on the CPU.
+    """
+    if device_ids is None:
+        return devices()
+    out = [as_device(d) for d in device_ids]
+    if not out:
+        raise ValueError("device_ids is empty: pass at least one device, or None for all of them")
+    return out
+
+
+def device_name(devices: Sequence[torch.device], i: int) -> str:
+    """``cuda:1``, or ``cpu (virtual device 1)`` when several entries share the CPU."""
+    d = devices[i]
+    shared = sum(1 for e in devices if e == d) > 1
+    return f"{d} (virtual device {i})" if shared else str(d)
 
 
 def nccl_available() -> bool:

@@ -17,8 +17,10 @@ What it does, and why:
   advice instead of letting the children crash. ``start_method="spawn"`` starts
   fresh interpreters instead; then ``fn`` and ``args`` must be picklable, so
   ``fn`` must live in an importable ``.py`` module (not a notebook cell).
-* **one rendezvous store, held by the parent** on a free port of 127.0.0.1: the
-  port is taken before any child starts, so two launches never race for it.
+* **one rendezvous store, held by the parent** on a free port of 127.0.0.1, made
+  once every rank is started (a fork next to the store's running thread can
+  deadlock a child) and sent to each rank over a pipe; the port is never given
+  up and re-taken, so two launches never race for it.
 * **output in rank order**: each rank's stdout and stderr (file descriptors 1 and
   2, so C++ output too) go to files; the parent prints them after the ranks end,
   rank 0 first, each line prefixed ``[rank R]``. Cell outputs are deterministic.
@@ -26,7 +28,7 @@ What it does, and why:
   ``LaunchError`` with that rank's traceback (the first rank to fail is the root
   cause; the others usually fail because their peer vanished). A run that
   outlives ``timeout`` seconds raises ``TimeoutError`` naming the ranks still
-  running. Either way, and on Ctrl-C, every child and its own children are
+  running, and each of them first prints its Python stack (where it waits). Either way, and on Ctrl-C, every child and its own children are
   killed before ``launch`` returns: no process is left behind.
 * **one thread per CPU rank**, as torchrun and DataLoader workers do: GNU
   OpenMP cannot be used in a forked child once the parent has run a parallel
@@ -37,6 +39,7 @@ What it does, and why:
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import io
 import multiprocessing as mp
 import os
@@ -59,6 +62,8 @@ from .devices import check_backend, gpu_count
 
 DEFAULT_TIMEOUT = 300.0
 FAILURE_GRACE_SECONDS = 3.0  # after a rank fails, how long the others get to notice and exit
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # on a timeout, each hung rank prints its Python stacks
+STACK_DUMP_SECONDS = 0.5  # how long they get to write them
 
 
 class LaunchError(RuntimeError):
@@ -102,20 +107,29 @@ def launch(
         _check_picklable(fn, args)
 
     workdir = tempfile.mkdtemp(prefix="mgpu_lab_launch_")
-    store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs + 1, is_master=True,
-                          timeout=timedelta(seconds=timeout), wait_for_workers=False)
     ctx = mp.get_context(method)
     procs: List[mp.process.BaseProcess] = []
+    store = None
     try:
+        ports = []  # the parent's ends of one pipe per rank, to send it the store's port
         for rank in range(nprocs):
+            port_in, port_out = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker,
-                args=(fn, tuple(args), rank, nprocs, store.port, name, timeout, workdir),
+                args=(fn, tuple(args), rank, nprocs, port_in, name, timeout, workdir),
                 name=f"mgpu_lab-rank{rank}",
             )
             proc.start()
+            port_in.close()
             procs.append(proc)
+            ports.append(port_out)
+        # The store (and its server thread) exists only once every rank is forked; see _send_port.
+        store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs + 1, is_master=True,
+                              timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        for port_out in ports:
+            _send_port(port_out, store.port)
         still_running = _wait_for(procs, timeout)
+        _dump_stacks([procs[rank] for rank in still_running])
     finally:
         _kill_all(procs)
         del store
@@ -164,6 +178,23 @@ def _check_picklable(fn: Callable, args: Sequence[Any]) -> None:
         ) from None
 
 
+def _send_port(conn, port: int) -> None:
+    """Tell a started rank where the rendezvous store listens.
+
+    Why not create the store first and pass its port as an argument: its server
+    thread answers the first ranks while the next ones are forked, and a fork
+    taken while that thread holds a libc lock (the resolver's, in getnameinfo)
+    gives a child that waits on the lock forever. So every rank is forked while
+    the parent runs no thread of ours, and learns the port afterwards.
+    """
+    try:
+        conn.send(port)
+    except (BrokenPipeError, OSError):
+        pass  # that rank already died: its error is reported like any other
+    finally:
+        conn.close()
+
+
 def _wait_for(procs: Sequence[mp.process.BaseProcess], timeout: float) -> List[int]:
     """Wait until all ranks exit, a rank fails (then give the rest a grace period),
     or the deadline passes. Returns the ranks still running at the end."""
@@ -179,6 +210,18 @@ def _wait_for(procs: Sequence[mp.process.BaseProcess], timeout: float) -> List[i
         if remaining <= 0:
             return [rank for rank, p in enumerate(procs) if p.exitcode is None]
         wait([p.sentinel for p in alive], timeout=min(remaining, 1.0))
+
+
+def _dump_stacks(procs: Sequence[mp.process.BaseProcess]) -> None:
+    """Ask hung ranks to write every thread's Python stack to their stderr (printed
+    with their output): where each rank waits is what debugging a hang needs."""
+    for proc in procs:
+        try:
+            os.kill(proc.pid, STACK_DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    if procs:
+        time.sleep(STACK_DUMP_SECONDS)
 
 
 def _kill_all(procs: Sequence[mp.process.BaseProcess]) -> None:
@@ -228,16 +271,20 @@ def _read_result(rank: int, exitcode: Optional[int], workdir: str) -> Dict[str, 
 
 # --------------------------------------------------------------------------- child side
 
-def _worker(fn, args, rank, world_size, port, backend, timeout, workdir) -> None:
+def _worker(fn, args, rank, world_size, port_in, backend, timeout, workdir) -> None:
     os.setsid()  # own process group: the parent can kill this rank and all it started
     _die_with_parent()
     _redirect_output(rank, workdir)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
-    )
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     result: Dict[str, Any]
     try:
+        if not port_in.poll(timeout):  # see _send_port
+            raise TimeoutError(f"rank {rank}: the launching process sent no rendezvous port within {timeout:g} s")
+        port = port_in.recv()
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
+        )
         if backend == "nccl":
             torch.cuda.set_device(rank)
         else:

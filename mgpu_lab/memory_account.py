@@ -53,6 +53,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .devices import as_devices, device_name
+
 KINDS = ("inputs", "weights", "activations", "outputs", "gathered", "gradients")
 
 _lock = threading.Lock()
@@ -188,7 +190,6 @@ def account_memory(fn: Callable[[], Any], devices: Optional[Sequence[torch.devic
     :func:`mgpu_lab.devices`). See the module docstring for what is counted.
     """
     global _ledger
-    from .data_parallel import as_devices, device_name
 
     devs = as_devices(devices)
     names = [device_name(devs, i) for i in range(len(devs))]

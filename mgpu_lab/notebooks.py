@@ -189,7 +189,7 @@ def clean_outputs(nb) -> None:
 
 def execute_notebook(path: Path, timeout: float = 600.0) -> List[str]:
     """Run a solution in place (cwd = its folder), store outputs; list failures."""
-    from .grader import run_notebook  # the grader owns kernels and time limits
+    from .kernel import run_notebook  # the grader's kernels and time limits
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)

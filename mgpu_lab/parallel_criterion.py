@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from . import memory_account as _acct
-from .data_parallel import DataParallel, Devices, as_devices, parallel_apply, replicate, scatter_kwargs
+from .data_parallel import DataParallel, first_tensor, parallel_apply, replicate, scatter_kwargs
+from .devices import Devices, as_devices
 
 
 class DataParallelModel(DataParallel):
@@ -52,19 +53,6 @@ class DataParallelModel(DataParallel):
 
     def _single(self, output):
         return [output]
-
-
-def _first_tensor(obj: Any):
-    stack = [obj]
-    while stack:
-        o = stack.pop(0)
-        if isinstance(o, torch.Tensor):
-            return o
-        if isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-    return None
 
 
 def _class_index_mean(criterion, targets) -> bool:
@@ -111,7 +99,7 @@ class DataParallelCriterion(nn.Module):
         if n > len(self.device_ids):
             raise ValueError(f"DataParallelCriterion: {n} per-device outputs but only "
                              f"{len(self.device_ids)} device_ids; use the same device_ids as the model")
-        devs = [t.device if (t := _first_tensor(o)) is not None else self.device_ids[i]
+        devs = [t.device if (t := first_tensor(o)) is not None else self.device_ids[i]
                 for i, o in enumerate(outputs)]
         tgts, kws = scatter_kwargs(targets, kwargs, devs, self.dim)
         if (targets or kwargs) and len(tgts) != n:
@@ -122,8 +110,8 @@ class DataParallelCriterion(nn.Module):
         args = [(tuple(o) if isinstance(o, (list, tuple)) else (o,)) + tuple(t) for o, t in zip(outputs, tgts)]
         sizes = []
         for i in range(n):
-            ref = _first_tensor(tgts[i]) if targets else None
-            ref = ref if ref is not None else _first_tensor(outputs[i])
+            ref = first_tensor(tgts[i]) if targets else None
+            ref = ref if ref is not None else first_tensor(outputs[i])
             sizes.append(ref.size(self.dim) if ref is not None and ref.dim() > self.dim else 1)
 
         criterion, by_count = self.module, _class_index_mean(self.module, tgts[0])

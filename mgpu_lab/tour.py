@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 import nbformat
 
-from .grader import run_notebook
+from .kernel import run_notebook
 from .notebooks import SOLUTIONS_DIR, nbgrader_meta
 
 
@@ -42,9 +42,12 @@ def select(solutions: Path, only: Optional[Sequence[str]] = None) -> List[Path]:
     notebooks = sorted(Path(solutions).glob("*.ipynb"))
     if not only:
         return notebooks
-    chosen = [p for p in notebooks if any(p.name.split("_")[0] == n or p.stem == n for n in only)]
-    unknown = [n for n in only if not any(p.name.split("_")[0] == n or p.stem == n
-                                          for p in notebooks)]
+
+    def named(p: Path, n: str) -> bool:
+        return p.name.split("_")[0] == n or p.stem == n
+
+    chosen = [p for p in notebooks if any(named(p, n) for n in only)]
+    unknown = [n for n in only if not any(named(p, n) for p in notebooks)]
     if unknown:
         raise ValueError(f"no solution notebook for {', '.join(unknown)} in {solutions}")
     return chosen

@@ -47,9 +47,10 @@ def _ring_cases():
     x = torch.tensor([rank + 1, 2, -1, 3, 0], dtype=torch.int64)
     ref = x.clone()
     dist.all_reduce(ref, op=dist.ReduceOp.PRODUCT)
-    ring = x.clone()
+    ring, naive = x.clone(), x.clone()
     ring_allreduce(ring, op="product")
-    out.append(dict(numel=5, dtype=torch.int64, op="product", ref=ref, ring=ring, naive=ref,
+    naive_allreduce(naive, root=0, op="product")
+    out.append(dict(numel=5, dtype=torch.int64, op="product", ref=ref, ring=ring, naive=naive,
                     ring_stats=None, naive_stats=None))
     return out
 
@@ -171,6 +172,7 @@ def test_missing_peer_times_out_instead_of_hanging():
     # The wait honours the process group's timeout (here 1 s): no hang.
     message, _ = launch(_missing_peer, nprocs=2, timeout=60)
     assert "Timed out" in message or "timeout" in message.lower(), message
+    assert "rank 0: sending to rank 1 and receiving from rank 1 failed" in message, message  # names the peer
 
 
 def test_byte_formulas():

@@ -124,6 +124,25 @@ def test_nested_inputs_outputs_and_kwargs(n):
         torch.testing.assert_close(g, r, rtol=RTOL, atol=ATOL)
 
 
+def test_batch_smaller_than_devices_with_a_plain_keyword_argument():
+    # 2 samples on 3 devices: 2 chunks; scale=0.5 (not a tensor) goes to both, it does not make a third.
+    torch.manual_seed(0)
+    net = DictNet()
+    batch = {"x": torch.randn(2, 3), "z": [torch.randn(2, 2)]}
+    s_ref, d_ref = net(batch, scale=0.5)
+    s_ref.sum().backward()
+    ref_grads = grads(net)
+    net.zero_grad()
+    s, d = DataParallel(net, device_ids=devices(3))(batch, scale=0.5)
+    s.sum().backward()
+    torch.testing.assert_close(s, s_ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(d["h"], d_ref["h"], rtol=RTOL, atol=ATOL)
+    for g, r in zip(grads(net), ref_grads):
+        torch.testing.assert_close(g, r, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="different numbers of chunks"):  # tensors still must agree
+        DataParallel(net, device_ids=devices(3))(batch, bias=torch.randn(1, 5))
+
+
 def test_replicate_makes_connected_separate_replicas_with_tied_weights():
     torch.manual_seed(0)
     emb = nn.Embedding(10, 4)
@@ -145,6 +164,20 @@ def test_replicate_makes_connected_separate_replicas_with_tied_weights():
     model.zero_grad()
     model(idx).sum().backward()
     torch.testing.assert_close(g3, 3 * model[0].weight.grad)
+
+
+def test_batchnorm_keeps_replica_0_statistics_as_torch_does():
+    # In train mode each replica normalises its own chunk; only replica 0's running
+    # statistics persist in the module (torch.nn.DataParallel's documented behaviour).
+    torch.manual_seed(0)
+    dp_bn, ref_bn = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+    x = torch.randn(7, 3) * 2 + 1
+    out = DataParallel(dp_bn, device_ids=devices(2))(x)
+    chunks = torch.chunk(x, 2)
+    torch.testing.assert_close(out, torch.cat([nn.BatchNorm1d(3)(c) for c in chunks]), rtol=RTOL, atol=ATOL)
+    ref_bn(chunks[0])
+    for name, ref in ref_bn.named_buffers():
+        torch.testing.assert_close(dp_bn.get_buffer(name), ref, rtol=RTOL, atol=ATOL)
 
 
 def test_replicate_under_no_grad_is_detached():

@@ -5,7 +5,8 @@ The model has a frozen layer, a bias with requires_grad=False, a buffer, and an
 output projection tied to the embedding. Each rank builds it from a different
 seed, so only the broadcast at construction makes the replicas equal.
 """
-import copy
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -159,12 +160,15 @@ def _errors_and_unused():
     ref = net()
     ref["b"](ref["a"](torch.ones(2, 3))).sum().backward()
     res["expected"] = ref["b"].weight.grad / dist.get_world_size()  # rank 0's, averaged with zeros
-    for cls in (NaiveDDP, BucketedDDP):
-        m = cls(net())
+    wrappers = {"NaiveDDP": NaiveDDP, "BucketedDDP": BucketedDDP,
+                # one bucket per parameter: rank 0 launches b's buckets in backward, the others only in finish
+                "BucketedDDP_small": lambda module: BucketedDDP(module, bucket_cap_mb=1e-5)}
+    for name, wrap in wrappers.items():
+        m = wrap(net())
         h = m.module["a"](torch.ones(2, 3))
         (m.module["b"](h) if rank == 0 else h).sum().backward()
         m.finish_gradient_synchronization()
-        res[cls.__name__] = m.module["b"].weight.grad
+        res[name] = m.module["b"].weight.grad
     dist.barrier()
     return res
 
@@ -205,9 +209,28 @@ def test_bad_input_and_unused_parameter():
         assert "bucket_cap_mb" in res["cap"]
         assert "nn.Module" in res["module"]
         assert "finish_gradient_synchronization" in res["twice"]
-        for cls in ("NaiveDDP", "BucketedDDP"):
-            assert torch.equal(res[cls], results[0][cls])  # ranks agree
-            torch.testing.assert_close(res[cls], res["expected"])
+        for name in ("NaiveDDP", "BucketedDDP", "BucketedDDP_small"):
+            assert torch.equal(res[name], results[0][name])  # ranks agree
+            torch.testing.assert_close(res[name], res["expected"])
+
+
+def _missing_peer():
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=1))
+    model = BucketedDDP(nn.Linear(3, 3), group=group)
+    if dist.get_rank() == 0:
+        model(torch.ones(1, 3)).sum().backward()
+        try:
+            model.finish_gradient_synchronization()
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+    time.sleep(2)  # never runs backward: rank 0's all-reduce has no partner
+    return "absent"
+
+
+def test_a_missing_peer_times_out_naming_the_bucket():
+    message, _ = launch(_missing_peer, nprocs=2, timeout=60)
+    assert "Timed out" in message and "rank 0: the all-reduce of bucket 0 (['bias', 'weight'])" in message, message
 
 
 def test_needs_a_process_group():

@@ -4,6 +4,7 @@ toy.ipynb has two exercises: add (2 points) and mul (3 points, with hidden
 tests). Each folder under submissions/ is one student's toy.ipynb.
 """
 import csv
+import io
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from mgpu_lab.cli import main as cli
 from mgpu_lab.grader import grade_notebook, prepare_submission
+from mgpu_lab.kernel import run_notebook
 from mgpu_lab.notebooks import make_lab
 
 DATA = Path(__file__).parent / "data" / "grader"
@@ -133,3 +135,32 @@ def test_total_timeout_bounds_the_notebook():
     assert [(e.grade_id, e.score, e.error) for e in grade.exercises] == [
         ("add_test", 0, "Timeout"), ("mul_test", 0, "TotalTimeout")]
     assert grade.seconds < 30
+
+
+def test_kernel_runner_reports_every_code_cell_and_stores_outputs(tmp_path):
+    """mgpu_lab.kernel.run_notebook, shared by grade, labs execute and tour."""
+    nb = nbformat.read(DATA / "solutions" / "toy.ipynb", as_version=4)
+    nb.cells[1].source = "import os\nprint(os.getcwd())"
+    nb.cells[4].source = "raise ValueError('expected')"
+    nb.cells[4].metadata["tags"] = ["raises-exception"]
+    results = run_notebook(nb, cwd=tmp_path, timeout=30, progress=False)
+    assert [r.index for r in results] == [1, 2, 3, 4, 5]
+    assert [(r.error, r.expected_error) for r in results] == [
+        (None, False), (None, False), (None, False), ("ValueError", True), ("NameError", False)]
+    assert nb.cells[1].outputs[0]["text"].strip() == str(tmp_path)   # cwd = the folder given
+    assert nb.cells[3].outputs[0]["text"] == "add passed\n"
+
+
+def test_report_names_the_cause_inside_a_launch_error_and_totals():
+    from mgpu_lab.grader import ExerciseScore, NotebookGrade, brief, print_report
+    launch_error = ("rank 1 failed (then rank(s) [0] failed too):\nTraceback (most recent call last):\n"
+                    "  File \"launch.py\", line 249, in _worker\n    value = fn(*args)\nNotImplementedError\n")
+    assert brief(launch_error) == "rank 1 failed (then rank(s) [0] failed too): ... NotImplementedError"
+    assert brief("x" * 300).endswith("...") and len(brief("x" * 300)) == 200
+    grades = [NotebookGrade("a/00.ipynb", "00.ipynb", [ExerciseScore("t", 0.0, 2.0, "LaunchError",
+                                                                     brief(launch_error))]),
+              NotebookGrade("a/01.ipynb", "01.ipynb", [ExerciseScore("u", 3.0, 3.0)])]
+    out = io.StringIO()
+    print_report(grades, file=out)
+    assert "LaunchError: rank 1 failed" in out.getvalue()
+    assert out.getvalue().rstrip().endswith("total: 3/5 over 2 notebooks")

@@ -75,7 +75,7 @@ def test_a_rank_that_dies_without_python_is_reported():
         launch(fn, nprocs=2, timeout=60)
 
 
-def test_a_hang_raises_timeout_naming_the_ranks_and_leaves_no_process(tmp_path):
+def test_a_hang_raises_timeout_naming_the_ranks_and_leaves_no_process(tmp_path, capfd):
     def fn():
         pid = os.fork()  # a grandchild, like a DataLoader worker
         if pid == 0:
@@ -94,6 +94,9 @@ def test_a_hang_raises_timeout_naming_the_ranks_and_leaves_no_process(tmp_path):
     assert len(pids) == 4
     time.sleep(0.5)
     assert [pid for pid in pids if _alive(pid)] == []
+    # the hung rank printed where it was stuck, before it was killed
+    stack = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[rank 1]")]
+    assert any("test_launch.py" in line and " in fn" in line for line in stack), stack
 
 
 def test_no_process_is_left_after_a_crash(tmp_path):

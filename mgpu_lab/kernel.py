@@ -1,0 +1,181 @@
+"""Run a notebook cell by cell in a fresh kernel, under time limits.
+
+The grader, ``mgpu-lab labs execute`` and the tour all run notebooks here, so a
+solution is executed exactly as a submission is graded:
+
+- the kernel is this very Python (``sys.executable``), not whatever the
+  ``python3`` kernel spec points at, and its working folder is the notebook's;
+- each cell has ``timeout`` seconds; then the kernel is interrupted (the cell
+  gets "Timeout") and, if it does not answer within 3 s, killed;
+- when the kernel dies (``os._exit``, a segfault, out of memory) or was killed,
+  a fresh kernel re-runs every earlier cell once (except cells that hung or
+  crashed) to rebuild the state, and the run goes on after the bad cell; after
+  ``MAX_RESTARTS`` restarts the remaining cells get "DeadKernel";
+- ``total_timeout`` bounds the whole notebook; cells past it get "TotalTimeout".
+
+What it costs: one kernel start (about a second) per notebook and per restart,
+and the replay of the earlier cells after a restart.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from queue import Empty
+from time import monotonic
+from typing import List, Optional
+
+MAX_RESTARTS = 3
+CURRENT_ENV = "mgpu-lab-current-env"  # the kernel of this very Python
+TIMEOUT_REPLY = {"ename": "Timeout", "traceback": [],
+                 "evalue": "the cell ran past its time limit and was interrupted"}
+
+
+@dataclass
+class CellResult:
+    index: int                      # position in nb.cells
+    error: Optional[str] = None     # exception name, "Timeout", "DeadKernel", ...
+    message: str = ""
+    seconds: float = 0.0
+    expected_error: bool = False    # tagged raises-exception
+
+
+def _kernel_manager():
+    """A kernel manager for the Python running us (not whatever "python3" means)."""
+    import ipykernel.kernelspec
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import AsyncKernelManager
+
+    class Specs(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            if kernel_name == CURRENT_ENV:
+                return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES,
+                                              **ipykernel.kernelspec.get_kernel_dict())
+            return super().get_kernel_spec(kernel_name)
+
+    return AsyncKernelManager(kernel_name=CURRENT_ENV, kernel_spec_manager=Specs())
+
+
+async def _responsive(kc, wait: float = 3.0) -> bool:
+    """Does the kernel answer a kernel_info request within ``wait`` seconds?"""
+    from nbclient.util import ensure_async
+    msg_id = await ensure_async(kc.kernel_info())
+    end = monotonic() + wait
+    while monotonic() < end:
+        try:
+            msg = await ensure_async(kc.shell_channel.get_msg(timeout=max(0.1, end - monotonic())))
+        except Empty:
+            return False
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return True
+    return False
+
+
+async def _shutdown(client) -> None:
+    """Kill the kernel's whole process group (what it forked too) and close channels."""
+    km, kc, client.km, client.kc = client.km, client.kc, None, None
+    if kc is not None:
+        kc.stop_channels()
+    if km is not None and km.has_kernel:
+        await km.shutdown_kernel(now=True)
+
+
+async def _run(nb, cwd, timeout, total_timeout, bar, state) -> List[CellResult]:
+    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
+    from nbclient.util import ensure_async
+
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
+    deadline = monotonic() + total_timeout if total_timeout else float("inf")
+    replies, results, skip = {}, {}, set()
+
+    def on_executed(cell, cell_index, execute_reply):
+        replies[cell_index] = execute_reply
+
+    client = NotebookClient(
+        nb, allow_errors=True, interrupt_on_timeout=True, error_on_timeout=TIMEOUT_REPLY,
+        timeout_func=lambda cell: max(1.0, min(timeout, deadline - monotonic())),
+        record_timing=False, iopub_timeout=4,
+        resources={"metadata": {"path": str(cwd)}}, on_cell_executed=on_executed)
+
+    async def execute(i) -> CellResult:
+        cell, start = nb.cells[i], monotonic()
+        expected = "raises-exception" in cell.metadata.get("tags", [])
+        try:
+            await client.async_execute_cell(cell, i, store_history=True)
+        except DeadKernelError:
+            return CellResult(i, "DeadKernel", "the kernel died running this cell",
+                              monotonic() - start, expected)
+        content = (replies.pop(i, None) or {}).get("content", {})
+        result = CellResult(i, seconds=monotonic() - start, expected_error=expected)
+        if content.get("status") == "error":
+            result.error, result.message = content.get("ename"), content.get("evalue", "")
+        elif content.get("status") != "ok":
+            result.error, result.message = "NoReply", f"status {content.get('status')!r}"
+        return result
+
+    pos, restarts = 0, 0
+    while pos < len(code):
+        client.km = state["km"] = _kernel_manager()
+        try:
+            await client.async_start_new_kernel(stderr=subprocess.DEVNULL)
+            await client.async_start_new_kernel_client()
+            if pos == 0:
+                msg_id = await ensure_async(client.kc.kernel_info())
+                info = await client.async_wait_for_reply(msg_id)
+                if info and "language_info" in info["content"]:
+                    nb.metadata["language_info"] = info["content"]["language_info"]
+            for i in code[:pos]:  # a fresh kernel: rebuild the state once
+                if i not in skip and (await execute(i)).error in ("DeadKernel", "Timeout"):
+                    for j in code[pos:]:
+                        results[j] = CellResult(j, "DeadKernel", "state lost: replay failed")
+                    pos = len(code)
+                    break
+            while pos < len(code):
+                i = code[pos]
+                pos += 1
+                if monotonic() >= deadline:
+                    results[i] = CellResult(i, "TotalTimeout", f"past {total_timeout:g} s in all")
+                    continue
+                results[i] = await execute(i)
+                if bar is not None:
+                    bar.update(1)
+                if results[i].error == "DeadKernel" or (
+                        results[i].error == "Timeout" and not await _responsive(client.kc)):
+                    skip.add(i)
+                    break
+        finally:
+            await _shutdown(client)
+            state["km"] = None
+        restarts += 1
+        if pos < len(code) and restarts > MAX_RESTARTS:
+            for j in code[pos:]:
+                results[j] = CellResult(j, "DeadKernel", f"over {MAX_RESTARTS} kernel restarts")
+            break
+    client.set_widgets_metadata()
+    return [results[i] for i in code]
+
+
+def run_notebook(nb, cwd=".", timeout: float = 120.0, total_timeout: Optional[float] = None,
+                 desc: Optional[str] = None, progress: bool = True) -> List[CellResult]:
+    """Execute ``nb`` in place (outputs stored in it) under the limits above.
+
+    Returns one :class:`CellResult` per non-empty code cell; never raises for
+    errors inside the notebook.
+    """
+    from nbclient.util import run_sync
+    from tqdm.auto import tqdm
+
+    n = sum(1 for c in nb.cells if c.cell_type == "code" and c.source.strip())
+    bar = tqdm(total=n, desc=desc, unit="cell", leave=False, file=sys.stderr,
+               disable=not progress)
+    state = {"km": None}  # the live kernel, so that Ctrl-C cannot orphan it
+    try:
+        return run_sync(_run)(nb, cwd, timeout, total_timeout, bar, state)
+    except BaseException:
+        km = state["km"]
+        if km is not None and km.has_kernel:
+            run_sync(km.shutdown_kernel)(now=True)
+        raise
+    finally:
+        bar.close()
