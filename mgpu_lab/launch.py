@@ -28,8 +28,9 @@ What it does, and why:
   ``LaunchError`` with that rank's traceback (the first rank to fail is the root
   cause; the others usually fail because their peer vanished). A run that
   outlives ``timeout`` seconds raises ``TimeoutError`` naming the ranks still
-  running, and each of them first prints its Python stack (where it waits). Either way, and on Ctrl-C, every child and its own children are
-  killed before ``launch`` returns: no process is left behind.
+  running, and each of them first prints its Python stack (where it waits).
+  Either way, and on Ctrl-C, every child and its own children are killed
+  before ``launch`` returns: no process is left behind.
 * **one thread per CPU rank**, as torchrun and DataLoader workers do: GNU
   OpenMP cannot be used in a forked child once the parent has run a parallel
   region (the child hangs in its first large op), and N ranks on N cores are
