@@ -19,6 +19,7 @@ from .distributed import (
     init_distributed,
     is_main_process,
     print0,
+    rank_device,
 )
 from .launch import LaunchError, launch
 

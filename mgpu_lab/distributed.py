@@ -190,6 +190,17 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
+def rank_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` when the group runs NCCL, else the CPU.
+
+    Put the model and the data there: NCCL only moves CUDA tensors, gloo is
+    used here for CPU tensors.
+    """
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", dist_env().local_rank)
+    return torch.device("cpu")
+
+
 def is_main_process() -> bool:
     """True on global rank 0, and in a plain single-process run."""
     return not dist.is_initialized() or dist.get_rank() == 0

@@ -58,8 +58,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .devices import backend as default_backend
-from .devices import check_backend, gpu_count
+from .devices import check_backend, gpu_count, nccl_available
 
 DEFAULT_TIMEOUT = 300.0
 FAILURE_GRACE_SECONDS = 3.0  # after a rank fails, how long the others get to notice and exit
@@ -90,14 +89,15 @@ def launch(
     """Run ``fn(*args)`` in ``nprocs`` processes, each a rank of a fresh process group.
 
     Returns the ranks' return values in rank order. ``backend=None`` picks nccl
-    on GPUs (rank r drives ``cuda:r``) and gloo on CPU. ``timeout`` (seconds)
+    when there is a GPU for every rank (rank r drives ``cuda:r``), else gloo
+    (CPU processes); inside ``fn``, ``mgpu_lab.rank_device()`` is the device to use. ``timeout`` (seconds)
     bounds the whole run and every collective inside it.
     """
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"launch(nprocs={nprocs!r}): nprocs must be an int >= 1")
     if timeout is None or timeout <= 0:
         raise ValueError(f"launch(timeout={timeout!r}): give a positive number of seconds")
-    name = check_backend(backend or default_backend())
+    name = check_backend(backend or default_launch_backend(nprocs))
     if name == "nccl" and nprocs > gpu_count():
         raise ValueError(
             f"launch(nprocs={nprocs}) with nccl needs one GPU per process, but {gpu_count()} are visible: "
@@ -151,6 +151,15 @@ def launch(
             "(a rank-dependent branch, or ranks running different numbers of steps)."
         )
     return [r["value"] for r in results]
+
+
+def default_launch_backend(nprocs: int) -> str:
+    """nccl when NCCL works and every one of ``nprocs`` ranks gets its own GPU, else gloo.
+
+    So the same notebook runs 2 ranks on a laptop (gloo), on a 1-GPU machine
+    (gloo: two ranks cannot share one GPU under NCCL) and on 2+ GPUs (nccl).
+    """
+    return "nccl" if nccl_available() and nprocs <= gpu_count() else "gloo"
 
 
 # --------------------------------------------------------------------------- parent side

@@ -88,3 +88,19 @@ def test_distributed_loader_shards_and_reshuffles_per_epoch():
 def test_distributed_loader_needs_the_group():
     with pytest.raises(RuntimeError, match="init_distributed"):
         distributed_loader(TensorDataset(torch.arange(4)), batch_size=2)
+
+
+def test_rank_device_is_the_cpu_under_gloo_and_outside_a_group():
+    from mgpu_lab import rank_device
+
+    assert rank_device() == torch.device("cpu")
+    assert launch(lambda: (dist.get_backend(), rank_device()), nprocs=2, backend="gloo") == [
+        ("gloo", torch.device("cpu"))] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_rank_device_is_this_ranks_gpu_under_nccl():
+    from mgpu_lab import rank_device
+
+    assert launch(lambda: str(rank_device()), nprocs=2) == ["cuda:0", "cuda:1"]

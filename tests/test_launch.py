@@ -169,3 +169,16 @@ def test_a_parent_that_used_openmp_threads_can_still_launch():
         assert launch(big_op, nprocs=1, timeout=30) == [(0.0, 1)]
     finally:
         torch.set_num_threads(previous)
+
+
+def test_default_backend_needs_a_gpu_per_rank_for_nccl(monkeypatch):
+    import importlib
+
+    launch_module = importlib.import_module("mgpu_lab.launch")  # the module, not the function
+
+    monkeypatch.setattr(launch_module, "nccl_available", lambda: True)
+    monkeypatch.setattr(launch_module, "gpu_count", lambda: 2)
+    assert launch_module.default_launch_backend(2) == "nccl"
+    assert launch_module.default_launch_backend(3) == "gloo"  # two ranks cannot share a GPU under NCCL
+    monkeypatch.setattr(launch_module, "nccl_available", lambda: False)
+    assert launch_module.default_launch_backend(1) == "gloo"
