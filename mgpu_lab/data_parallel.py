@@ -274,7 +274,7 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
             if not all(isinstance(o, torch.Tensor) for o in outs):
                 raise TypeError("gather: a tensor on one device but not on another")
             if all(o.dim() == 0 for o in outs):
-                warnings.warn("gather: all outputs are scalars; returning them as a vector (one per device)")
+                warnings.warn("gather: all outputs are scalars; returning them as a vector (one per device)", stacklevel=2)
                 outs = [o.view(1) for o in outs]
             # non_blocking only towards a GPU: a CPU result must not be read before its copy lands
             res = torch.cat([o.to(target, non_blocking=target.type == "cuda") for o in outs], dim)

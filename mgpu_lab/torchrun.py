@@ -24,7 +24,7 @@ import errno
 import shlex
 import socket
 import sys
-from typing import List, Optional
+from typing import List
 
 from .devices import gpu_count
 

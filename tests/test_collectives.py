@@ -138,7 +138,7 @@ def test_ring_and_naive_match_all_reduce(world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_noncontiguous_subgroup_and_errors(world):
     results = launch(_extras, nprocs=world, timeout=120)
-    for rank, res in enumerate(results):
+    for res in results:
         x, ref, contiguous = res["noncontig"]
         assert not contiguous and torch.equal(x, ref)
         w, expected, requires_grad = res["param"]
