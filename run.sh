@@ -18,19 +18,22 @@ VENV="${VENV:-.venv}"
 TORCH_SPEC="${TORCH_SPEC:-torch}"
 PY="$VENV/bin/python"
 
+# setup EXTRAS: the package with those extras (course: JupyterLab and the lab
+# tools; test: pytest too).
 setup() {
+  local extras="$1"
   if [ ! -x "$PY" ]; then
     echo "run.sh: creating $VENV" >&2
     python3 -m venv "$VENV"
   fi
   # Re-install only when the torch spec or pyproject.toml changed.
   local want stamp="$VENV/.mgpu-lab-installed"
-  want="$TORCH_SPEC|$(cksum < pyproject.toml)"
+  want="$TORCH_SPEC|$extras|$(cksum < pyproject.toml)"
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "run.sh: installing $TORCH_SPEC and mgpu_lab into $VENV (once)" >&2
+    echo "run.sh: installing $TORCH_SPEC and mgpu_lab[$extras] into $VENV (once)" >&2
     # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options
     "$PY" -m pip install --quiet $TORCH_SPEC
-    "$PY" -m pip install --quiet -e .
+    "$PY" -m pip install --quiet -e ".[$extras]"
     echo "$want" > "$stamp"
   fi
 }
@@ -39,17 +42,17 @@ cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   lab)
-    setup
+    setup course
     # Jupyter refuses to run as root (containers, cloud VMs) unless told it is fine.
     [ "$(id -u)" = 0 ] && set -- --allow-root "$@"
     exec "$VENV/bin/jupyter" lab labs/ "$@"
     ;;
   tour)
-    setup
+    setup course
     exec "$VENV/bin/mgpu-lab" tour "$@"
     ;;
   test)
-    setup
+    setup course,test
     # OMP threads: 2 processes per test on a 2-core machine; one thread each.
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     exec "$PY" -m pytest tests solutions \
@@ -57,7 +60,7 @@ case "$cmd" in
       --nbval-sanitize-with solutions/sanitize.cfg "$@"
     ;;
   mgpu-lab)
-    setup
+    setup course
     exec "$VENV/bin/mgpu-lab" "$@"
     ;;
   *)

@@ -12,7 +12,7 @@ Two tables, measured side by side in one run:
    positions x 32000 logits from a Linear(64 -> 32000): DataParallel (logits gathered
    on device 0, loss there) against DataParallelModel + DataParallelCriterion
    (loss where the logits are). Measured with ``torch.cuda.max_memory_allocated``
-   on GPUs, accounted on virtual devices (see ``mgpu_lab.memory_account``).
+   on GPUs, accounted on virtual devices (see ``mgpu_lab.measure.memory_account``).
 
 Options: --repeats N (median over N timed steps, default 20), --batch B (default 256).
 """

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from mgpu_lab import launch
-from mgpu_lab.torchrun import free_port
+from mgpu_lab.runtime.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,16 +2,25 @@
 
 Every public name is importable from the package itself::
 
-    from mgpu_lab import launch, devices, DataParallel, ring_allreduce
+    from mgpu_lab.runtime import launch, devices, DataParallel, ring_allreduce
 
-One concept per module; the module names say which (see README.md).
+The library is in four packages, and the arrows run one way::
+
+    runtime/   where code runs: devices, the process group, launch, torchrun, doctor
+    parallel/  how work is split: data_parallel, parallel_criterion, collectives, ddp, sharding
+    training/  the training step: amp, grad_accum, checkpointing, train_state
+    measure/   instruments that observe from outside: memory accounting, timing
+
+``parallel`` and ``training`` use ``runtime``; ``runtime`` uses neither. The
+course machinery (``course/``: labs, grader, tour) uses the library, never the
+other way round. One concept per module, named after it.
 """
 
 __version__ = "0.1.0"
 
-# --- devices and distributed core (issue 2) ---
-from .devices import backend, devices
-from .distributed import (
+# --- runtime: devices, the process group, launching ---
+from .runtime.devices import backend, devices
+from .runtime.distributed import (
     DistEnv,
     cleanup,
     dist_env,
@@ -21,15 +30,15 @@ from .distributed import (
     print0,
     rank_device,
 )
-from .launch import LaunchError, launch
+from .runtime.launch import LaunchError, launch
 
-# --- DataParallel from scratch and the balanced criterion (issue 4) ---
-from .data_parallel import DataParallel, gather, parallel_apply, replicate, scatter
-from .memory_account import MemoryAccount, account_memory, plot_memory
-from .parallel_criterion import DataParallelCriterion, DataParallelModel
+# --- parallel: DataParallel from scratch and the balanced criterion ---
+from .parallel.data_parallel import DataParallel, gather, parallel_apply, replicate, scatter
+from .measure.memory_account import MemoryAccount, account_memory, plot_memory
+from .parallel.parallel_criterion import DataParallelCriterion, DataParallelModel
 
-# --- collectives and your own DDP (issue 5) ---
-from .collectives import (
+# --- parallel: collectives and your own DDP ---
+from .parallel.collectives import (
     CommStats,
     RingState,
     allreduce_bytes,
@@ -39,4 +48,4 @@ from .collectives import (
     ring_schedule,
     simulate_ring_allreduce,
 )
-from .ddp import BucketedDDP, NaiveDDP
+from .parallel.ddp import BucketedDDP, NaiveDDP

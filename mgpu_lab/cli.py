@@ -3,9 +3,9 @@
 Each subcommand lives in the module of its concept, which defines
 ``add_parser(subparsers)``; the parser it adds sets ``func(args) -> int``.
 
-    mgpu-lab launch   torchrun, with defaults for this machine   (torchrun.py)
+    mgpu-lab launch   torchrun, with defaults for this machine   (runtime/torchrun.py)
     mgpu-lab doctor   what this machine can do, and what is off  (doctor.py)
-    mgpu-lab labs     build labs/ from solutions/, or re-execute (notebooks.py)
+    mgpu-lab labs     build labs/ from solutions/, or re-execute (course/notebooks.py)
     mgpu-lab grade    score students' notebooks                  (grader.py)
     mgpu-lab tour     run every solution notebook, headless      (tour.py)
 """
@@ -16,7 +16,13 @@ import importlib
 import sys
 from typing import Iterable, Optional, Sequence
 
-SUBCOMMANDS = {"launch": "torchrun", "doctor": "doctor", "labs": "notebooks", "grade": "grader", "tour": "tour"}
+SUBCOMMANDS = {
+    "launch": "runtime.torchrun",
+    "doctor": "runtime.doctor",
+    "labs": "course.notebooks",
+    "grade": "course.grader",
+    "tour": "course.tour",
+}
 
 
 def build_parser(commands: Iterable[str] = SUBCOMMANDS) -> argparse.ArgumentParser:

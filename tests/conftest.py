@@ -1,6 +1,63 @@
-"""Shared pytest settings.
+"""Helpers shared by the test files: paths, tolerances, the GPU skip, small models.
 
-tests/data holds fixture notebooks for the grader and the tour; they are inputs,
-not notebooks to validate, so nbval (``--nbval``) must not collect them.
+Import them by name (``from conftest import TiedNet, requires_gpus``): pytest puts
+this folder on ``sys.path``. tests/data holds fixture notebooks for the grader and
+the tour; they are inputs, not notebooks to validate, so nbval must not collect them.
 """
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
 collect_ignore = ["data"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# fp32 equivalence with a reference: the same maths in another order.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def requires_gpus(n: int = 1):
+    """Mark a test that needs ``n`` CUDA GPUs: marked ``gpu`` and skipped without them."""
+    def mark(test):
+        skip = pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPU(s)")
+        return pytest.mark.gpu(skip(test))
+    return mark
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    """A 6 -> 16 -> 4 MLP, the same weights for the same seed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+VOCAB, DIM = 32, 16
+
+
+class TiedNet(nn.Module):
+    """The awkward cases of data parallelism in one model: tied weights (the head
+    shares the embedding), a frozen layer, a bias without grad and a buffer."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.head.weight = self.embed.weight
+        self.head.bias.requires_grad_(False)
+        self.register_buffer("scale", torch.rand(DIM) + 0.5)
+
+    def forward(self, idx):
+        h = torch.tanh(self.hidden(self.embed(idx))) * self.scale
+        return self.head(torch.tanh(self.frozen(h)))
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    """The largest absolute difference between two models' state (parameters and buffers)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys(), f"different state keys: {sorted(sa.keys() ^ sb.keys())}"
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)

@@ -4,13 +4,12 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from mgpu_lab.torchrun import free_port
+from mgpu_lab.runtime.torchrun import free_port
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "examples" / "ddp_train.py")
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import requires_gpus
 from mgpu_lab import (CommStats, allreduce_bytes, bus_bandwidth, launch, naive_allreduce, ring_allreduce,
                       ring_schedule, simulate_ring_allreduce)
 
@@ -213,8 +214,7 @@ def _on_gpu():
     return (x - ref).abs().max().item(), stats.bytes_sent
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@requires_gpus(2)
 def test_ring_on_nccl():
     for err, _ in launch(_on_gpu, nprocs=2):
         assert err < 1e-3

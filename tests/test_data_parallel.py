@@ -10,15 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import ATOL, RTOL, mlp, requires_gpus
 from mgpu_lab import DataParallel, devices, gather, parallel_apply, replicate, scatter
-
-RTOL, ATOL = 1e-5, 1e-6
-
-
-def mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
-
 
 def grads(model):
     return [p.grad.clone() for p in model.parameters()]
@@ -284,10 +277,9 @@ def test_module_on_the_wrong_device_is_a_clear_error():
 
 
 # ----------------------------------------------------------------------- GPUs
-needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs CUDA")
+needs_gpus = requires_gpus(1)
 
 
-@pytest.mark.gpu
 @needs_gpus
 @pytest.mark.parametrize("batch", [5, 8])
 def test_matches_torch_dataparallel_on_gpus(batch):

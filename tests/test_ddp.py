@@ -14,27 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from conftest import VOCAB, TiedNet, max_param_diff, requires_gpus
 from mgpu_lab import BucketedDDP, NaiveDDP, launch
 
-VOCAB, DIM, BATCH, SEQ, STEPS = 32, 16, 12, 5, 4  # BATCH divisible by 2, 3 and 4
-
-
-class TiedNet(nn.Module):
-    def __init__(self, seed):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.hidden = nn.Linear(DIM, DIM)
-        self.frozen = nn.Linear(DIM, DIM)
-        self.frozen.requires_grad_(False)  # a frozen layer
-        self.head = nn.Linear(DIM, VOCAB)
-        self.head.weight = self.embed.weight  # tied weights
-        self.head.bias.requires_grad_(False)  # a bias without grad
-        self.register_buffer("scale", torch.rand(DIM) + 0.5)
-
-    def forward(self, idx):
-        h = torch.tanh(self.hidden(self.embed(idx))) * self.scale
-        return self.head(torch.tanh(self.frozen(h)))
+BATCH, SEQ, STEPS = 12, 5, 4  # BATCH divisible by 2, 3 and 4
 
 
 def _batches():
@@ -52,11 +35,6 @@ def _optimizer(name, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.5, momentum=0.9)
     return torch.optim.Adam(params, lr=0.02)
-
-
-def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    sa, sb = a.state_dict(), b.state_dict()
-    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
 
 
 def _train_cases():
@@ -94,10 +72,10 @@ def _train_cases():
                 opt.step()
         for name, model in wrappers.items():  # all trained: compare
             out[(opt_name, name)] = dict(
-                vs_full_batch=_max_diff(model.module, ref),
-                moved=_max_diff(model.module, TiedNet(seed=0)),
-                vs_torch_ddp=_max_diff(model.module, torch_ddp.module),
-                frozen_unchanged=_max_diff(model.module.frozen, TiedNet(seed=0).frozen),
+                vs_full_batch=max_param_diff(model.module, ref),
+                moved=max_param_diff(model.module, TiedNet(seed=0)),
+                vs_torch_ddp=max_param_diff(model.module, torch_ddp.module),
+                frozen_unchanged=max_param_diff(model.module.frozen, TiedNet(seed=0).frozen),
                 bias_unchanged=(model.module.head.bias - TiedNet(seed=0).head.bias).abs().max().item(),
                 tied=model.module.head.weight is model.module.embed.weight,
                 state=model.module.state_dict(),
@@ -256,7 +234,6 @@ def _gpu_equivalence():
                for n, p in model.module.named_parameters() if p.grad is not None)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@requires_gpus(2)
 def test_bucketed_ddp_on_nccl():
     assert max(launch(_gpu_equivalence, nprocs=2)) < 1e-4

@@ -5,6 +5,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from mgpu_lab import DistEnv, dist_env, distributed_loader, init_distributed, is_main_process, launch, print0
+from conftest import requires_gpus
 
 
 def test_single_process_defaults():
@@ -98,8 +99,7 @@ def test_rank_device_is_the_cpu_under_gloo_and_outside_a_group():
         ("gloo", torch.device("cpu"))] * 2
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@requires_gpus(2)
 def test_rank_device_is_this_ranks_gpu_under_nccl():
     from mgpu_lab import rank_device
 

@@ -1,5 +1,5 @@
 """The doctor's advice for known-bad combinations of variables."""
-from mgpu_lab.doctor import advice
+from mgpu_lab.runtime.doctor import advice
 
 IFACES = ["lo", "eth0"]
 

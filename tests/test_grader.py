@@ -13,12 +13,12 @@ import nbformat
 import pytest
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.grader import grade_notebook, prepare_submission
-from mgpu_lab.kernel import run_notebook
-from mgpu_lab.notebooks import make_lab
+from mgpu_lab.course.grader import grade_notebook, prepare_submission
+from mgpu_lab.course.kernel import run_notebook
+from mgpu_lab.course.notebooks import make_lab
+from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_total_timeout_bounds_the_notebook():
 
 
 def test_kernel_runner_reports_every_code_cell_and_stores_outputs(tmp_path):
-    """mgpu_lab.kernel.run_notebook, shared by grade, labs execute and tour."""
+    """mgpu_lab.course.kernel.run_notebook, shared by grade, labs execute and tour."""
     nb = nbformat.read(DATA / "solutions" / "toy.ipynb", as_version=4)
     nb.cells[1].source = "import os\nprint(os.getcwd())"
     nb.cells[4].source = "raise ValueError('expected')"
@@ -152,7 +152,7 @@ def test_kernel_runner_reports_every_code_cell_and_stores_outputs(tmp_path):
 
 
 def test_report_names_the_cause_inside_a_launch_error_and_totals():
-    from mgpu_lab.grader import ExerciseScore, NotebookGrade, brief, print_report
+    from mgpu_lab.course.grader import ExerciseScore, NotebookGrade, brief, print_report
     launch_error = ("rank 1 failed (then rank(s) [0] failed too):\nTraceback (most recent call last):\n"
                     "  File \"launch.py\", line 249, in _worker\n    value = fn(*args)\nNotImplementedError\n")
     assert brief(launch_error) == "rank 1 failed (then rank(s) [0] failed too): ... NotImplementedError"

@@ -174,7 +174,7 @@ def test_a_parent_that_used_openmp_threads_can_still_launch():
 def test_default_backend_needs_a_gpu_per_rank_for_nccl(monkeypatch):
     import importlib
 
-    launch_module = importlib.import_module("mgpu_lab.launch")  # the module, not the function
+    launch_module = importlib.import_module("mgpu_lab.runtime.launch")  # the module, not the function
 
     monkeypatch.setattr(launch_module, "nccl_available", lambda: True)
     monkeypatch.setattr(launch_module, "gpu_count", lambda: 2)

@@ -10,7 +10,8 @@ from torch import nn
 
 from mgpu_lab import (DataParallel, DataParallelCriterion, DataParallelModel, account_memory, devices,
                       plot_memory)
-from mgpu_lab import memory_account as acct_mod
+from mgpu_lab.measure import memory_account as acct_mod
+from conftest import requires_gpus
 
 B, D, V = 10, 8, 2048  # batch, features, classes; fp32
 F32 = 4
@@ -91,8 +92,7 @@ def test_table_and_plot():
     assert heights == pytest.approx(expected)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@requires_gpus(2)
 def test_measured_on_gpus_shows_the_imbalance():
     devs = devices(2)
     torch.manual_seed(0)

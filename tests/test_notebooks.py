@@ -7,13 +7,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_lab import notebooks
+from mgpu_lab.course import notebooks
 from mgpu_lab.cli import main as cli
-from mgpu_lab.notebooks import MarkerError, build_labs, make_lab, strip_solution
+from mgpu_lab.course.notebooks import MarkerError, build_labs, make_lab, strip_solution
+from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"
 TOY = DATA / "solutions" / "toy.ipynb"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_labs_are_fresh(capsys):

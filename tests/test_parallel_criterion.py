@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mgpu_lab import DataParallelCriterion, DataParallelModel, devices, gather
+from conftest import requires_gpus
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -149,8 +150,7 @@ def test_bad_input_is_a_clear_error():
         DataParallelCriterion(nn.CrossEntropyLoss(), devices(2))(outputs, y)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@requires_gpus(1)
 def test_matches_torch_dataparallel_loss_on_gpus():
     ids = list(range(torch.cuda.device_count()))
     ours_m, theirs_m = mlp().cuda(), mlp().cuda()

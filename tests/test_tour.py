@@ -5,10 +5,10 @@ from pathlib import Path
 import nbformat
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.notebooks import graded_cells
+from mgpu_lab.course.notebooks import graded_cells
+from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_tour_lab00_passes_and_leaves_solutions_alone(capsys):

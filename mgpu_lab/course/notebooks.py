@@ -31,7 +31,7 @@ import nbformat
 
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS_DIR, LABS_DIR = ROOT / "solutions", ROOT / "labs"
 # A warning printed in a kernel names the cell's temporary file, e.g.
 # /tmp/ipykernel_4242/3141592653.py; it changes on every run.

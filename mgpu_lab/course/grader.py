@@ -21,7 +21,7 @@ Limits, so that one bad submission never costs the run:
   3 restarts (``kernel.MAX_RESTARTS``) the rest of the notebook scores 0;
 - ``--total-timeout`` bounds the whole notebook; cells past it score 0.
 
-(The kernel runner with these limits is :mod:`mgpu_lab.kernel`.)
+(The kernel runner with these limits is :mod:`mgpu_lab.course.kernel`.)
 
 The exit status is 0 even when submissions fail; 2 means bad usage. Student
 code runs with your permissions: grade in a container or a throwaway account.

@@ -18,8 +18,8 @@ How it measures
   handed out; tensors freed during ``fn`` are not counted twice.
 * **Virtual devices** (several entries sharing the CPU): there is nothing to
   measure, so the bytes are *accounted*. While an account is open, the
-  functions of :mod:`mgpu_lab.data_parallel` and
-  :mod:`mgpu_lab.parallel_criterion` charge every tensor they place on a
+  functions of :mod:`mgpu_lab.parallel.data_parallel` and
+  :mod:`mgpu_lab.parallel.parallel_criterion` charge every tensor they place on a
   device to that device:
 
   - ``inputs``: each chunk made by ``scatter`` (device i);
@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .devices import as_devices, device_name
+from ..runtime.devices import as_devices, device_name
 
 KINDS = ("inputs", "weights", "activations", "outputs", "gathered", "gradients")
 
@@ -187,7 +187,7 @@ def account_memory(fn: Callable[[], Any], devices: Optional[Sequence[torch.devic
     """Run ``fn()`` (a forward and backward) and return the bytes each device held.
 
     ``devices`` are those the step uses, device 0 first (default
-    :func:`mgpu_lab.devices`). See the module docstring for what is counted.
+    :func:`mgpu_lab.runtime.devices`). See the module docstring for what is counted.
     """
     global _ledger
 

@@ -35,9 +35,9 @@ from typing import Any, List
 import torch
 from torch import nn
 
-from . import memory_account as _acct
+from ..measure import memory_account as _acct
 from .data_parallel import DataParallel, first_tensor, parallel_apply, replicate, scatter_kwargs
-from .devices import Devices, as_devices
+from ..runtime.devices import Devices, as_devices
 
 
 class DataParallelModel(DataParallel):

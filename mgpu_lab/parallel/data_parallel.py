@@ -40,8 +40,8 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import nn
 
-from . import memory_account as _acct
-from .devices import Devices, as_device, as_devices, device_name
+from ..measure import memory_account as _acct
+from ..runtime.devices import Devices, as_device, as_devices, device_name
 
 
 def first_tensor(obj: Any) -> Optional[torch.Tensor]:

@@ -1,0 +1,1 @@
+"""Instruments that observe the algorithms from outside: memory accounting, timing."""

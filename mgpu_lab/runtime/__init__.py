@@ -1,0 +1,1 @@
+"""Where code runs: devices and backends, the process group, launching ranks."""
