@@ -8,14 +8,23 @@
 #   ./run.sh test    the whole test suite (unit tests, nbval over solutions/, grader)
 #   ./run.sh mgpu-lab ARGS...   any mgpu-lab command inside the environment
 #
-# TORCH_SPEC picks the torch to install (default: "torch", which on Linux brings
-# CUDA). For a CPU-only machine: TORCH_SPEC="torch==2.13.0" (CI does this) or
-# TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu".
+# TORCH_SPEC picks the torch to install. By default: the CUDA build ("torch") where
+# nvidia-smi is found or off Linux; on a Linux machine without a GPU, the CPU build
+# from PyTorch's CPU index (about 200 MB instead of several GB of CUDA libraries)
+# when that index answers within 5 s, else "torch". CI pins a CPU wheel that is on
+# its machine: TORCH_SPEC="torch==2.13.0".
 set -euo pipefail
 cd "$(dirname "$0")"
 
 VENV="${VENV:-.venv}"
-TORCH_SPEC="${TORCH_SPEC:-torch}"
+CPU_INDEX="https://download.pytorch.org/whl/cpu"
+if [ -z "${TORCH_SPEC:-}" ]; then
+  TORCH_SPEC="torch"
+  if ! command -v nvidia-smi >/dev/null 2>&1 && [ "$(uname -s)" = Linux ] &&
+     python3 -c "import urllib.request as u; u.urlopen('$CPU_INDEX/torch/', timeout=5)" 2>/dev/null; then
+    TORCH_SPEC="torch --index-url $CPU_INDEX"
+  fi
+fi
 PY="$VENV/bin/python"
 
 # setup EXTRAS: the package with those extras (course: JupyterLab and the lab
