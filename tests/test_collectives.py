@@ -228,6 +228,8 @@ def test_simulated_ring_step_by_step(world, numel):
     assert len(states) == 2 * (world - 1) + 1
     total = torch.stack(tensors).sum(0)
     everyone = frozenset(range(world))
+    for r in range(world):  # the start is a snapshot: each rank holds its own data, unreduced
+        assert torch.equal(torch.cat(states[0].chunks[r]), tensors[r])
     for s, state in enumerate(states[1:world]):  # scatter-reduce round s
         assert state.phase == "scatter-reduce" and state.step == s + 1
         assert sorted(dst for _, dst, _ in state.messages) == list(range(world))  # one message per rank

@@ -132,7 +132,11 @@ def simulate_ring_allreduce(tensors: List[torch.Tensor], op: str = "sum") -> Lis
         raise ValueError(f"simulate_ring_allreduce supports sum, max, min, product; got {op!r}")
     chunks = [[c.clone() for c in torch.tensor_split(t.reshape(-1), n)] for t in tensors]
     contrib = [[frozenset([r]) for _ in range(n)] for r in range(n)]
-    states = [RingState("start", 0, [list(c) for c in chunks], [list(c) for c in contrib], [])]
+
+    def snapshot():  # the chunks are reduced in place: each state keeps copies
+        return [[x.clone() for x in c] for c in chunks]
+
+    states = [RingState("start", 0, snapshot(), [list(c) for c in contrib], [])]
     for i, (phase, messages) in enumerate(ring_schedule(n)):
         sent = [(dst, c, chunks[src][c].clone(), contrib[src][c]) for src, dst, c in messages]
         for dst, c, data, who in sent:  # all messages of a round travel at once
@@ -143,7 +147,7 @@ def simulate_ring_allreduce(tensors: List[torch.Tensor], op: str = "sum") -> Lis
                 chunks[dst][c] = data
                 contrib[dst][c] = who
         step = i + 1 if phase == "scatter-reduce" else i + 2 - n
-        states.append(RingState(phase, step, [[x.clone() for x in c] for c in chunks],
+        states.append(RingState(phase, step, snapshot(),
                                 [list(c) for c in contrib], messages))
     return states
 
