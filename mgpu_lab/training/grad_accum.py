@@ -160,7 +160,8 @@ class GradientAccumulator:
                 raise ValueError(f"num_samples must be one number, got a tensor of shape {tuple(num_samples.shape)}")
             num_samples = num_samples.detach().reshape(())
         elif isinstance(num_samples, bool) or not isinstance(num_samples, Number) or num_samples < 0:
-            raise ValueError(f"num_samples must be a count >= 0 (items the mean loss averages over), got {num_samples!r}")
+            raise ValueError("num_samples must be a count >= 0 (the items the mean loss averages over), "
+                             f"got {num_samples!r}")
         if self._ctx is not None:
             if self._ctx["backward"]:
                 raise RuntimeError("backward() called twice in one micro_step(): open one micro_step() per micro-batch")
@@ -258,6 +259,7 @@ class GradientAccumulator:
 
     def __repr__(self) -> str:
         ddp = {"torch": "torch DDP", "mgpu": type(self.model).__name__, None: "no DDP"}[self._kind]
-        return (f"GradientAccumulator(accumulation_steps={self.accumulation_steps}, {ddp}, world_size={self.world_size}, "
+        return (f"GradientAccumulator(accumulation_steps={self.accumulation_steps}, {ddp}, "
+                f"world_size={self.world_size}, "
                 f"scaler={type(self.scaler).__name__ if self.scaler is not None else None}, "
                 f"max_grad_norm={self.max_grad_norm})")
