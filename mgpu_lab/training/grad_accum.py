@@ -49,9 +49,9 @@ summed gradient, so the whole window's step is skipped and the scale backs off
 once. Because micro-losses are sums (``loss * num_samples``), the scale settles
 about N times lower than without accumulation; the scaler finds that itself.
 
-Costs: no extra memory (gradients accumulate in ``.grad``); one pass over the
-gradients per window for the 1/N division (folded into the unscale pass in
-spirit: a ``_foreach_mul_``).
+Costs: no extra memory (gradients accumulate in ``.grad``); per window, one
+``_foreach_mul_`` pass over the gradients (the W/N factor) and, under DDP, one
+all-reduce of a single number (the item count).
 """
 from __future__ import annotations
 
