@@ -49,3 +49,6 @@ from .parallel.collectives import (
     simulate_ring_allreduce,
 )
 from .parallel.ddp import BucketedDDP, NaiveDDP
+
+# --- training: gradient accumulation ---
+from .training.grad_accum import GradientAccumulator
