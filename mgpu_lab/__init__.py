@@ -49,3 +49,6 @@ from .parallel.collectives import (
     simulate_ring_allreduce,
 )
 from .parallel.ddp import BucketedDDP, NaiveDDP
+
+# --- parallel: sharding (ZeRO-1 and FSDP) ---
+from .parallel.sharding import FSDP, ShardedOptimizer, partition_parameters, zero_bytes_per_rank
