@@ -43,8 +43,8 @@ reduce-scatter and frees the storage; ``finish_gradient_synchronization()`` wait
 divides by N and adds the slices into the shards' ``.grad``.
 
 Mixed precision: with ``compute_dtype`` the shards are cast before the all-gather
-(half the bytes on the wire), compute runs in that dtype (floating-point inputs
-and buffers are cast), gradients are reduce-scattered in it and added to fp32
+(half the bytes on the wire), compute runs in that dtype (the floating-point
+inputs of the root and of every unit are cast, as FSDP2 does; buffers are not), gradients are reduce-scattered in it and added to fp32
 shard gradients. Every rank must use the same parameters in every step (as
 FSDP2 requires); reduce-scatters are issued in backward order.
 """
@@ -212,14 +212,12 @@ class FSDP(nn.Module):
                     groups.append(_FlatGroup(self, uname, entries, rg))
             self._units.append((uname, u, groups))
             if u is not None and groups:
-                u.register_forward_pre_hook(self._pre_forward(groups))
+                u.register_forward_pre_hook(self._pre_forward(groups), with_kwargs=True)
                 u.register_forward_hook(self._post_forward(groups))
         self._shards = nn.ParameterList([g.shard for _, _, gs in self._units for g in gs])
         with torch.no_grad():
             for b in module.buffers():
                 dist.broadcast(b, src=self._src, group=group)
-                if compute_dtype is not None and b.is_floating_point():
-                    b.data = b.data.to(compute_dtype)
         self._backward_started = False
 
     # --------------------------------------------------------------- introspection
@@ -243,10 +241,23 @@ class FSDP(nn.Module):
 
     # --------------------------------------------------------------- hooks
     def _pre_forward(self, groups):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             for g in groups:
                 g.gather()
+            return self._cast(args), self._cast(kwargs)
         return hook
+
+    def _cast(self, obj):
+        """Floating-point tensors in ``obj`` to ``compute_dtype`` (FSDP2's cast_forward_inputs)."""
+        if self.compute_dtype is None:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return obj.to(self.compute_dtype) if obj.is_floating_point() else obj
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._cast(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self._cast(v) for k, v in obj.items()}
+        return obj
 
     def _post_forward(self, groups):
         def hook(module, args, output):
@@ -280,11 +291,7 @@ class FSDP(nn.Module):
         root = self._units[0][2]
         for g in root:
             g.gather()
-        if self.compute_dtype is not None:
-            cast = lambda t: t.to(self.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-            args = tuple(cast(a) for a in args)
-            kwargs = {k: cast(v) for k, v in kwargs.items()}
-        out = self.module(*args, **kwargs)
+        out = self.module(*self._cast(args), **self._cast(kwargs))
         for g in root:
             g.free()
         self._register_pre_backward(out, root)
