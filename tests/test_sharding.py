@@ -307,6 +307,13 @@ def _fsdp_errors():
     model.finish_gradient_synchronization()
     ref(x).pow(2).sum().backward()
     res["units"] = model.units
+    twice = FSDP(nn.Sequential(nn.Linear(2, 2)))
+    twice.module.forward = lambda x: twice.module[0](twice.module[0](x))  # one unit, called twice
+    try:
+        twice(torch.ones(1, 2))
+        res["twice"] = None
+    except RuntimeError as e:
+        res["twice"] = str(e)
     grads = _full_grads(model)
     # every rank ran the same input: the average is the local gradient
     res["grad_diff"] = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
@@ -320,6 +327,7 @@ def test_fsdp_explicit_units_and_bad_input():
         assert "nn.Module" in res["module"]
         assert "optimizer_cls" in res["optimizer"]
         assert "groups" in res["load"]
+        assert "ran twice in one forward" in res["twice"], res["twice"]
         assert res["units"] == {"0": ["0.weight", "0.bias"], "2": ["2.weight", "2.bias"],
                                 "4": ["4.weight", "4.bias"]}
         assert res["grad_diff"] < 1e-6

@@ -219,6 +219,7 @@ class FSDP(nn.Module):
             for b in module.buffers():
                 dist.broadcast(b, src=self._src, group=group)
         self._backward_started = False
+        self._ran = None
 
     # --------------------------------------------------------------- introspection
     @property
@@ -242,6 +243,13 @@ class FSDP(nn.Module):
     # --------------------------------------------------------------- hooks
     def _pre_forward(self, groups):
         def hook(module, args, kwargs):
+            if self._ran is not None:
+                if id(module) in self._ran:
+                    raise RuntimeError(
+                        f"FSDP unit '{groups[0].unit}' ran twice in one forward: its second backward would "
+                        "need the parameters the first one already freed. Make the module that calls it "
+                        "twice the unit (units=[...]), or leave it out of units (the root unit).")
+                self._ran.add(id(module))
             for g in groups:
                 g.gather()
             return self._cast(args), self._cast(kwargs)
@@ -291,7 +299,11 @@ class FSDP(nn.Module):
         root = self._units[0][2]
         for g in root:
             g.gather()
-        out = self.module(*self._cast(args), **self._cast(kwargs))
+        self._ran = set()  # units entered during this forward
+        try:
+            out = self.module(*self._cast(args), **self._cast(kwargs))
+        finally:
+            self._ran = None
         for g in root:
             g.free()
         self._register_pre_backward(out, root)
