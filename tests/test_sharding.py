@@ -303,10 +303,14 @@ def _fsdp_errors():
     ref = copy.deepcopy(seq)
     model = FSDP(seq, units=[seq[0], seq[2], seq[4]])
     x = torch.randn(6, 4)
-    model(x).pow(2).sum().backward()
+    for _ in range(2):  # two backward passes accumulate before one finish_gradient_synchronization()
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
     model.finish_gradient_synchronization()
-    ref(x).pow(2).sum().backward()
     res["units"] = model.units
+    torch.manual_seed(0)
+    nested = nn.Sequential(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)), nn.Linear(2, 2))
+    res["nested"] = FSDP(nested, units=[nested[0], nested[0][1]]).units
     twice = FSDP(nn.Sequential(nn.Linear(2, 2)))
     twice.module.forward = lambda x: twice.module[0](twice.module[0](x))  # one unit, called twice
     try:
@@ -331,6 +335,8 @@ def test_fsdp_explicit_units_and_bad_input():
         assert res["units"] == {"0": ["0.weight", "0.bias"], "2": ["2.weight", "2.bias"],
                                 "4": ["4.weight", "4.bias"]}
         assert res["grad_diff"] < 1e-6
+        assert res["nested"] == {"<root>": ["1.weight", "1.bias"], "0": ["0.0.weight", "0.0.bias"],
+                                 "0.1": ["0.1.weight", "0.1.bias"]}, res["nested"]  # the innermost unit
 
 
 def test_needs_a_process_group():

@@ -190,7 +190,8 @@ class FSDP(nn.Module):
         pname: Dict[int, str] = {}
         params: Dict[int, nn.Parameter] = {}
         for mname, m in module.named_modules(remove_duplicate=False):
-            unit = next((u for u in unit_modules if mname == names[id(u)] or mname.startswith(names[id(u)] + ".")), None)
+            inside = [u for u in unit_modules if mname == names[id(u)] or mname.startswith(names[id(u)] + ".")]
+            unit = max(inside, key=lambda u: len(names[id(u)]), default=None)  # the innermost unit
             for attr, p in m._parameters.items():
                 if p is None:
                     continue
