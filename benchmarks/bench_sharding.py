@@ -86,7 +86,6 @@ KINDS = ("DDP", "ShardedOptimizer", "own FSDP", "torch fully_shard")
 
 
 def _bench(width, layers, batch, steps):
-    world = dist.get_world_size()
     device = rank_device()
     torch.manual_seed(dist.get_rank())
     x = torch.randn(batch, width, device=device)

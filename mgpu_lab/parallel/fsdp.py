@@ -33,19 +33,15 @@ value (FSDP1's ``FlatParameter``), padded to a multiple of N; rank r keeps slice
 of it as an ``nn.Parameter`` (fp32 master weights). Frozen parameters are sharded
 and gathered too, but never reduced.
 
-How the hooks work: a forward pre-hook all-gathers into a fresh buffer through an
-autograd function (``_Gather``) and points the module's attributes at views of it;
-a forward hook frees the buffer's storage (``untyped_storage().resize_(0)``, the
-views autograd saved stay valid objects) and puts a hook on the unit's outputs
-that re-gathers into the same storage when backward reaches the unit.
-``_Gather.backward`` receives the full gradient, starts an asynchronous
-reduce-scatter and frees the storage; ``finish_gradient_synchronization()`` waits,
-divides by N and adds the slices into the shards' ``.grad``.
+How the hooks work: a forward pre-hook gathers each unit's flat groups
+(:mod:`mgpu_lab.parallel.flat_param`), a forward hook frees them and hooks the
+unit's outputs, so that backward gathers them again before the unit's backward;
+the reduce-scatter starts as soon as a group's full gradient is complete.
 
 Mixed precision: with ``compute_dtype`` the shards are cast before the all-gather
-(half the bytes on the wire), compute runs in that dtype (the floating-point
-inputs of the root and of every unit are cast, as FSDP2 does; buffers are not), gradients are reduce-scattered in it and added to fp32
-shard gradients. Every rank must use the same parameters in every step (as
+(half the bytes on the wire), compute runs in that dtype (floating-point inputs
+of the root and of every unit are cast, as FSDP2 does; buffers are not),
+gradients are reduce-scattered in it and added to fp32 shard gradients. Every rank must use the same parameters in every step (as
 FSDP2 requires); reduce-scatters are issued in backward order.
 """
 from __future__ import annotations
@@ -56,105 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _FlatGroup:
-    """The parameters of one unit that share requires_grad, as one sharded flat buffer."""
-
-    def __init__(self, fsdp: "FSDP", unit: str, entries, requires_grad: bool):
-        self.fsdp, self.unit, self.requires_grad = fsdp, unit, requires_grad
-        self.names: List[str] = []
-        self.slots: List[List[Tuple[nn.Module, str]]] = []  # where each parameter is used
-        self.shapes, self.offsets = [], []
-        total = 0
-        for name, param, slots in entries:
-            self.names.append(name)
-            self.slots.append(slots)
-            self.shapes.append(param.shape)
-            self.offsets.append(total)
-            total += param.numel()
-        n = fsdp.world_size
-        self.numel = total
-        self.padded = -(-total // n) * n
-        self.shard_numel = self.padded // n
-        self.padding = self.padded - total
-        first = entries[0][1]
-        flat = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            torch.cat([p.detach().reshape(-1) for _, p, _ in entries], out=flat[:total])
-        dist.broadcast(flat, src=fsdp._src, group=fsdp.group)  # everyone starts from rank 0's weights
-        lo = fsdp.rank * self.shard_numel
-        self.shard = nn.Parameter(flat[lo: lo + self.shard_numel].clone(), requires_grad=requires_grad)
-        self.full: Optional[torch.Tensor] = None
-        self.pending: List[Tuple[object, torch.Tensor]] = []
-        for slots in self.slots:
-            for module, attr in slots:
-                del module._parameters[attr]
-
-    # --------------------------------------------------------------- gather / free
-    @property
-    def gathered(self) -> bool:
-        return self.full is not None and self.full.untyped_storage().nbytes() > 0
-
-    def gather(self) -> None:
-        """Forward: all-gather into a fresh buffer (autograd-tracked), point the modules at it."""
-        dtype = self.fsdp.compute_dtype or self.shard.dtype
-        self.full = _Gather.apply(self.shard, self, dtype)
-        for name_slots, shape, off in zip(self.slots, self.shapes, self.offsets):
-            view = self.full[off: off + shape.numel()].view(shape)
-            for module, attr in name_slots:
-                setattr(module, attr, view)
-
-    @torch.no_grad()
-    def regather(self) -> None:
-        """Backward: refill the freed storage (the views autograd saved point into it)."""
-        if self.full is None or self.gathered:
-            return
-        buf = self.full.data  # own version counter: autograd's saved views stay valid
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-        self.fsdp._collective(_all_gather, buf, self.shard.detach().to(buf.dtype), "all-gather")
-
-    def free(self) -> None:
-        if self.gathered:
-            self.full.untyped_storage().resize_(0)
-
-    @torch.no_grad()
-    def reduce_scatter(self, full_grad: torch.Tensor) -> None:
-        out = torch.empty(self.shard_numel, dtype=full_grad.dtype, device=full_grad.device)
-        work = self.fsdp._collective(_reduce_scatter, out, full_grad.contiguous(), "reduce-scatter",
-                                     async_op=True)
-        self.pending.append((work, out))
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        for work, out in self.pending:
-            work.wait()  # bounded by the process group's timeout
-            out = out.to(self.shard.dtype).div_(self.fsdp.world_size)
-            if self.shard.grad is None:
-                self.shard.grad = out
-            else:
-                self.shard.grad.add_(out)
-        self.pending.clear()
-
-
-class _Gather(torch.autograd.Function):
-    """shard -> full parameters (all-gather); backward: full grad -> reduce-scatter (async)."""
-
-    @staticmethod
-    def forward(ctx, shard, group: _FlatGroup, dtype):
-        ctx.group = group
-        full = torch.empty(group.padded, dtype=dtype, device=shard.device)
-        group.fsdp._collective(_all_gather, full, shard.detach().to(dtype), "all-gather")
-        return full
-
-    @staticmethod
-    def backward(ctx, grad_full):
-        group = ctx.group
-        group.reduce_scatter(grad_full)
-        group.free()
-        return None, None, None
+from .flat_param import FlatGroup, _all_gather
 
 
 class FSDP(nn.Module):
@@ -201,7 +99,7 @@ class FSDP(nn.Module):
                 pname.setdefault(id(p), f"{mname}.{attr}" if mname else attr)
                 params[id(p)] = p
         self._aliases = {pname[i]: [f"{names[id(m)]}.{a}".lstrip(".") for m, a in slots[i]] for i in params}
-        self._units: List[Tuple[str, Optional[nn.Module], List[_FlatGroup]]] = []
+        self._units: List[Tuple[str, Optional[nn.Module], List[FlatGroup]]] = []
         for u in [None] + unit_modules:
             key = id(u) if u is not None else None
             mine = [i for i in params if (owner[i] == {key}) or (u is None and len(owner[i]) > 1)]
@@ -210,7 +108,7 @@ class FSDP(nn.Module):
             for rg in (True, False):
                 entries = [(pname[i], params[i], slots[i]) for i in mine if params[i].requires_grad == rg]
                 if entries:
-                    groups.append(_FlatGroup(self, uname, entries, rg))
+                    groups.append(FlatGroup(self, uname, entries, rg))
             self._units.append((uname, u, groups))
             if u is not None and groups:
                 u.register_forward_pre_hook(self._pre_forward(groups), with_kwargs=True)
@@ -229,7 +127,7 @@ class FSDP(nn.Module):
         return {n: [p for g in gs for p in g.names] for n, _, gs in self._units if gs}
 
     @property
-    def flat_groups(self) -> List[_FlatGroup]:
+    def flat_groups(self) -> List[FlatGroup]:
         return [g for _, _, gs in self._units for g in gs]
 
     def _collective(self, fn, out, inp, what: str, async_op: bool = False):
