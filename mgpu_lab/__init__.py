@@ -52,3 +52,6 @@ from .parallel.ddp import BucketedDDP, NaiveDDP
 
 # --- training: gradient accumulation ---
 from .training.grad_accum import GradientAccumulator
+
+# --- parallel: sharding (ZeRO-1 and FSDP) ---
+from .parallel.sharding import FSDP, ShardedOptimizer, partition_parameters, zero_bytes_per_rank
