@@ -49,3 +49,6 @@ from .parallel.collectives import (
     simulate_ring_allreduce,
 )
 from .parallel.ddp import BucketedDDP, NaiveDDP
+
+# --- training: mixed precision ---
+from .training.amp import LossScaler, amp_step, autocast_dtype
