@@ -16,7 +16,9 @@ from conftest import VOCAB, TiedNet, mlp, requires_gpus
 from mgpu_lab import LossScaler, amp_step, autocast_dtype, launch
 
 STEPS = 36
-INJECT = {4: "inf", 5: "nan", 6: "inf", 13: "nan", 14: "-inf", 22: "inf", 30: "nan"}  # step -> value
+# step -> (parameter, value): opt_a owns hidden.*, opt_b owns embed.weight
+INJECT = {4: ("hidden", "inf"), 5: ("hidden", "nan"), 6: ("hidden", "inf"), 13: ("embed", "nan"),
+          14: ("hidden", "-inf"), 22: ("hidden", "inf"), 30: ("embed", "nan")}
 
 
 def _batch(step, n=8, seq=5):
@@ -37,8 +39,9 @@ def _drive(scaler, device="cpu", autocast=torch.float16, clip_on=(3, 9, 22), new
         with torch.autocast(device.split(":")[0] if isinstance(device, str) else device.type, dtype=autocast):
             loss = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
         scaler.scale(loss).backward()
-        if step in INJECT:  # only opt_a's gradients get the bad value: opt_b still steps
-            model.hidden.weight.grad[1, 2] = float(INJECT[step])
+        if step in INJECT:  # one optimizer's gradients get the bad value: the other one still steps
+            where, value = INJECT[step]
+            (model.hidden.weight if where == "hidden" else model.embed.weight).grad[1, 2] = float(value)
         if step in clip_on:
             scaler.unscale_(opt_a)
             nn.utils.clip_grad_norm_(model.hidden.parameters(), 0.5)
