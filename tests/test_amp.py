@@ -124,6 +124,35 @@ def test_bf16_autocast_and_unscale_error_messages():
         s.step(opt)
 
 
+@pytest.mark.parametrize("case", ["clean", "huge_but_finite", "inf_and_minus_inf", "nan", "bf16_inf", "empty"])
+def test_unscale_matches_the_fused_kernel_on_edge_cases(case):
+    """Gradients unscaled bit for bit as GradScaler does; found-inf only for inf/NaN elements
+    (finite values whose sum overflows fp32 are not an overflow)."""
+    g = torch.Generator().manual_seed(0)
+    values = {"clean": [torch.randn(5, generator=g), torch.randn(3, 3, generator=g)],
+              "huge_but_finite": [torch.full((4,), 3e38), torch.randn(3, generator=g)],
+              "inf_and_minus_inf": [torch.randn(3, generator=g), torch.tensor([float("inf"), -float("inf")])],
+              "nan": [torch.tensor([1.0, float("nan")]), torch.randn(2, generator=g)],
+              "bf16_inf": [torch.tensor([1.0, float("inf")], dtype=torch.bfloat16), torch.ones(2)],
+              "empty": [torch.zeros(0), torch.randn(4, generator=g)]}[case]
+    results = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=3000.0), LossScaler(init_scale=3000.0)):
+        params = [torch.zeros_like(v, requires_grad=True) for v in values]
+        for p, v in zip(params, values):
+            p.grad = v.clone()
+        opt = torch.optim.SGD(params, lr=1.0)
+        scaler.scale(torch.ones(()))
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        results.append(([p.grad for p in params], [p.detach().clone() for p in params], scaler.get_scale()))
+    (g_ref, p_ref, s_ref), (g_ours, p_ours, s_ours) = results
+    assert s_ours == s_ref, (case, s_ours, s_ref)
+    assert s_ref == (1500.0 if case in ("inf_and_minus_inf", "nan", "bf16_inf") else 3000.0)
+    for a, b in zip(g_ours + p_ours, g_ref + p_ref):
+        assert a.dtype == b.dtype and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), case
+
+
 def test_state_dict_round_trip_and_interchange_with_gradscaler():
     a = LossScaler(init_scale=256.0, growth_interval=3)
     model = mlp()

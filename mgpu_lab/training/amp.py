@@ -68,6 +68,25 @@ def autocast_dtype(device: Union[str, int, torch.device]) -> torch.dtype:
                      "pass dtype= explicitly (torch.bfloat16 or torch.float16)")
 
 
+def _non_finite(grads: List[torch.Tensor]) -> torch.Tensor:
+    """1.0 if any element of ``grads`` (one device) is inf or NaN, else 0.0 (a 0-dim fp32 tensor).
+
+    The largest |g| of a tensor is inf or NaN exactly when it holds one. On a
+    GPU, one fused multi-tensor kernel computes it for all gradients, without a
+    sync. On the CPU that kernel is a slow path, so a cheap screen runs first:
+    a tensor whose sum is finite holds no inf/NaN; only tensors whose sum is not
+    finite (an inf, a NaN, or finite values summing past fp32's max) get the
+    exact check (a CPU "sync" costs nothing).
+    """
+    if grads[0].device.type != "cpu":
+        amax = torch.stack(torch._foreach_norm(grads, float("inf")))
+        return (~torch.isfinite(amax)).any().float()
+    sums = torch.stack([g.sum().float() for g in grads])
+    suspects = [g for g, ok in zip(grads, torch.isfinite(sums).tolist()) if not ok]
+    bad = any(not torch.isfinite(g.abs().amax()).item() for g in suspects if g.numel())
+    return torch.tensor(float(bad))
+
+
 def _new_state() -> Dict[str, Any]:
     return {"stage": READY, "found_inf": None}
 
@@ -189,10 +208,8 @@ class LossScaler:
                 groups[(g.device, g.dtype)].append(g)
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for (device, _), grads in groups.items():
-            # Look before multiplying (the max |g| of each tensor is inf or NaN iff it holds one),
-            # then multiply every gradient by 1/S: two passes over the gradients.
-            amax = torch.stack(torch._foreach_norm(grads, float("inf")))
-            bad = (~torch.isfinite(amax)).any().float()
+            # Look before multiplying, then multiply every gradient by 1/S: two passes.
+            bad = _non_finite(grads)
             found_inf = torch.maximum(found_inf, bad.to(found_inf.device, non_blocking=True))
             torch._foreach_mul_(grads, inv_scale.to(device, non_blocking=True))
         if self.sync_ranks and dist.is_available() and dist.is_initialized() \
