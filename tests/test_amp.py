@@ -153,6 +153,37 @@ def test_unscale_matches_the_fused_kernel_on_edge_cases(case):
         assert a.dtype == b.dtype and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), case
 
 
+def test_fused_optimizer_and_several_losses_match_gradscaler():
+    """A fused Adam unscales inside its kernel (GradScaler hands it grad_scale and found_inf);
+    scale() of a list of losses scales each one."""
+    runs = []
+    for scaler in (torch.amp.GradScaler("cpu", init_scale=3000.0, growth_interval=2),
+                   LossScaler(init_scale=3000.0, growth_interval=2)):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+        weights, scales = [], []
+        for step in range(8):
+            opt.zero_grad()
+            x = torch.randn(3, 8)
+            a, b = scaler.scale([model(x).pow(2).mean(), (model(x).sum(),)])
+            (a + b[0]).backward()
+            if step == 3:
+                model.weight.grad[0, 0] = float("nan")
+            if step == 5:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            weights.append(model.weight.detach().clone())
+            scales.append(scaler.get_scale())
+        runs.append((weights, scales))
+    assert runs[0][1] == runs[1][1], runs
+    assert runs[0][1][3] == runs[0][1][2] / 2, runs[0][1]  # backed off after the NaN
+    for step, (w_ref, w_ours) in enumerate(zip(*(r[0] for r in runs))):
+        assert torch.equal(w_ref, w_ours), step
+    assert torch.equal(runs[0][0][2], runs[0][0][3])  # the NaN step was skipped
+
+
 def test_state_dict_round_trip_and_interchange_with_gradscaler():
     a = LossScaler(init_scale=256.0, growth_interval=3)
     model = mlp()

@@ -100,7 +100,6 @@ class LossScaler:
         self.group = group
         self.sync_ranks = sync_ranks
 
-    # -- scaling the loss ---------------------------------------------------------------
     def scale(self, outputs):
         """Multiply a tensor (or a list/tuple/iterable of them, nested) by the scale."""
         if not self._enabled:
@@ -109,20 +108,10 @@ class LossScaler:
             if self._scale is None:
                 self._lazy_init(outputs.device)
             return outputs * self._scale.to(device=outputs.device, non_blocking=True)
-        copies: Dict[torch.device, torch.Tensor] = {}
-
-        def apply(val):
-            if isinstance(val, torch.Tensor):
-                if self._scale is None:
-                    self._lazy_init(val.device)
-                if val.device not in copies:
-                    copies[val.device] = self._scale.to(device=val.device, non_blocking=True)
-                return val * copies[val.device]
-            if isinstance(val, Iterable):
-                mapped = map(apply, val)
-                return type(val)(mapped) if isinstance(val, (list, tuple)) else mapped
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
-        return apply(outputs)
+        if isinstance(outputs, Iterable):  # nested lists/tuples of losses
+            mapped = map(self.scale, outputs)
+            return type(outputs)(mapped) if isinstance(outputs, (list, tuple)) else mapped
+        raise ValueError("outputs must be a Tensor or an iterable of Tensors")
 
     def _lazy_init(self, device: torch.device) -> None:
         self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
@@ -133,7 +122,6 @@ class LossScaler:
             raise RuntimeError(f"LossScaler.{what}() before any scale(loss): call "
                                "scaler.scale(loss).backward() first in every iteration")
 
-    # -- unscaling the gradients --------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and look for inf/NaN.
 
@@ -154,7 +142,7 @@ class LossScaler:
         state["stage"] = UNSCALED
 
     @torch.no_grad()
-    def _unscale_grads(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor) -> torch.Tensor:
+    def _unscale_grads(self, optimizer: torch.optim.Optimizer, inv_scale: Optional[torch.Tensor]) -> torch.Tensor:
         groups: Dict[tuple, List[torch.Tensor]] = defaultdict(list)  # (device, dtype) -> gradients
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -172,7 +160,8 @@ class LossScaler:
             # Look before multiplying, then multiply every gradient by 1/S: two passes.
             bad = _non_finite(grads)
             found_inf = torch.maximum(found_inf, bad.to(found_inf.device, non_blocking=True))
-            torch._foreach_mul_(grads, inv_scale.to(device, non_blocking=True))
+            if inv_scale is not None:
+                torch._foreach_mul_(grads, inv_scale.to(device, non_blocking=True))
         if self.sync_ranks and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size(self.group) > 1:
             # Every rank must take the same decision: skip if any rank overflowed.
@@ -183,7 +172,6 @@ class LossScaler:
             found_inf = flag.to(found_inf.device)
         return found_inf
 
-    # -- stepping and updating ----------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """Unscale (unless done), then ``optimizer.step(*args, **kwargs)`` unless an inf/NaN was found.
 
@@ -198,11 +186,23 @@ class LossScaler:
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] == STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if state["stage"] == READY:
-            self.unscale_(optimizer)
-        result = None
-        if state["found_inf"].item() == 0:  # the one device-to-host sync of a step
-            result = optimizer.step(*args, **kwargs)
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # Fused optimizers (Adam(fused=True), ...) unscale inside their kernel and skip
+            # the update themselves when found_inf is set: hand them both, no sync.
+            scale = None if state["stage"] == UNSCALED else self._scale
+            if state["stage"] == READY:
+                state["found_inf"] = self._unscale_grads(optimizer, None)  # check only
+            optimizer.grad_scale, optimizer.found_inf = scale, state["found_inf"]
+            try:
+                result = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+        else:
+            if state["stage"] == READY:
+                self.unscale_(optimizer)
+            result = None
+            if state["found_inf"].item() == 0:  # the one device-to-host sync of a step
+                result = optimizer.step(*args, **kwargs)
         state["stage"] = STEPPED
         return result
 
@@ -242,7 +242,6 @@ class LossScaler:
             self._growth_tracker.copy_(torch.where(found | grow, torch.zeros_like(successful), successful))
         self._per_optimizer = defaultdict(_new_state)
 
-    # -- inspection and checkpoints -----------------------------------------------------
     def get_scale(self) -> float:
         """The current scale (a sync on GPU); 1.0 when disabled."""
         if not self._enabled:
