@@ -55,3 +55,6 @@ from .training.grad_accum import GradientAccumulator
 
 # --- parallel: sharding (ZeRO-1 and FSDP) ---
 from .parallel.sharding import FSDP, ShardedOptimizer, partition_parameters, zero_bytes_per_rank
+
+# --- training: mixed precision ---
+from .training.amp import LossScaler, amp_step, autocast_dtype
