@@ -49,3 +49,14 @@ from .parallel.collectives import (
     simulate_ring_allreduce,
 )
 from .parallel.ddp import BucketedDDP, NaiveDDP
+
+# --- training: faults (resumable checkpoints) ---
+from .training.train_state import (
+    TrainState,
+    UnsafeCheckpointError,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    unwrap,
+)
