@@ -60,3 +60,6 @@ from .training.train_state import (
     set_rng_state,
     unwrap,
 )
+
+# --- measure: collective trace (faults) ---
+from .measure.collective_trace import CollectiveError, collective_trace, first_divergence
