@@ -62,4 +62,5 @@ from .training.train_state import (
 )
 
 # --- measure: collective trace (faults) ---
-from .measure.collective_trace import CollectiveError, collective_trace, first_divergence
+from .measure.collective_trace import CollectiveError, collective_trace
+from .measure.trace_compare import first_divergence

@@ -12,7 +12,7 @@ for torchrun jobs) shows where each rank waits. What neither tells you is the
 
 ``collective_trace`` records it. While it is active, the ``torch.distributed``
 collectives are wrapped (patched from outside: the code under test is
-unchanged); each call appends ``(op, shape, dtype, root, call site)`` to this
+unchanged); each call records ``(op, shape, dtype, root, call site)`` in this
 rank's sequence, locally and in the process group's store, which every rank
 can read even when a peer is stuck or dead. When a traced collective fails or
 waits longer than ``timeout`` seconds, it raises ``CollectiveError`` whose
@@ -22,9 +22,13 @@ they disagree::
     with collective_trace(timeout=5):
         train()            # any code: yours, mgpu_lab's, a library's
 
-Works inside ``launch()`` and under torchrun (any process group with a store).
-Costs two small store messages per collective while active (~0.1 ms on one
-machine); nothing when inactive. Limits: calls made from C++ (torch's DDP
+Before each call it also looks at what the peers already recorded at that
+position: a peer that made a *different* call there, or left the traced region
+without making it, will never match, so it raises at once instead of letting
+the backend pair mismatched messages (gloo may abort the process, NCCL may hang
+or read garbage). Works inside ``launch()`` and under torchrun (any process
+group with a store). Costs about 2 + 2·(N-1) small store messages per
+collective while active (~0.1 ms each on one machine); nothing when inactive. Limits: calls made from C++ (torch's DDP
 reducer) are not seen — use ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` there; waits on
 ``async_op=True`` handles and on the ``*_object`` and point-to-point calls are
 bounded by the group's timeout, not ``timeout``; point-to-point calls are
@@ -39,13 +43,14 @@ import os
 import sys
 import threading
 from contextlib import ContextDecorator
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from .trace_compare import _END, P2P, Divergence, _key, describe, format_report
 
 # op -> (position, keyword) of the tensor whose shape describes the call
 _TENSOR_ARG = {
@@ -63,12 +68,11 @@ _ROOT_ARG = {"broadcast": (1, "src"), "reduce": (1, "dst"), "gather": (2, "dst")
              "send": (1, "dst"), "recv": (1, "src"), "isend": (1, "dst"), "irecv": (1, "src")}
 _TIMED = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
           "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier"}
-P2P = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
-_END = "<end>"
 _SKIP_FILES = (os.path.dirname(torch.__file__), __file__.rstrip("c"), os.path.dirname(functools.__file__),
                os.path.join(os.path.dirname(os.path.dirname(__file__)), "runtime", "launch.py"))
 _trace_ids = itertools.count()
-_local = threading.local()
+_local = threading.local()  # per thread: depth of nested traced calls
+_active: List["CollectiveTrace"] = []  # the patching is per process: one trace at a time
 
 
 class CollectiveError(RuntimeError):
@@ -78,86 +82,6 @@ class CollectiveError(RuntimeError):
     def __init__(self, message: str, report: str, divergence: Optional["Divergence"]):
         super().__init__(message)
         self.report, self.divergence = report, divergence
-
-
-@dataclass
-class Divergence:
-    """The first collective (index into the compared sequences) where ranks disagree.
-    ``calls[rank]`` is that rank's record there, or None if it made no such call."""
-
-    index: int
-    calls: Dict[int, Optional[dict]]
-    diverging_ranks: List[int] = field(default_factory=list)
-
-
-def describe(record: Optional[dict]) -> str:
-    if record is None:
-        return "(no call)"
-    if record["op"] == _END:
-        return "(none: it left the traced region)"
-    parts = []
-    if record.get("shape") is not None:
-        parts.append(f"shape={record['shape']}")
-    if record.get("dtype"):
-        parts.append(record["dtype"])
-    if record.get("root") is not None:
-        parts.append(f"root={record['root']}")
-    return f"{record['op']}({', '.join(parts)})"
-
-
-def _key(record: Optional[dict]):
-    if record is None:
-        return None
-    return (record["op"], json.dumps(record.get("shape")), record.get("dtype"), record.get("root"))
-
-
-def first_divergence(traces: Dict[int, List[dict]]) -> Optional[Divergence]:
-    """Compare ranks' sequences of (non point-to-point) collectives; None if they all match.
-
-    A rank whose sequence is shorter and did not end has simply not got there yet
-    (it may be stuck before it): it counts as making no call. The diverging ranks
-    are the smaller group when one group is smallest, else every rank.
-    """
-    seqs = {rank: [r for r in recs if r["op"] not in P2P] for rank, recs in traces.items()}
-    for i in range(max((len(s) for s in seqs.values()), default=0)):
-        calls = {rank: (s[i] if i < len(s) else None) for rank, s in sorted(seqs.items())}
-        if len({_key(c) for c in calls.values()}) > 1:
-            groups: Dict[Any, List[int]] = {}
-            for rank, call in calls.items():
-                groups.setdefault(_key(call), []).append(rank)
-            sizes = sorted(len(g) for g in groups.values())
-            smallest = [g for g in groups.values() if len(g) == sizes[0]]
-            diverging = smallest[0] if len(smallest) == 1 and sizes[0] < sizes[-1] else sorted(calls)
-            return Divergence(i, calls, diverging)
-    return None
-
-
-def format_report(traces: Dict[int, List[dict]], waiting: Dict[int, Optional[int]]) -> "tuple[str, Optional[Divergence]]":
-    """The text ``CollectiveError`` carries: the first disagreement and where every rank is."""
-    div = first_divergence(traces)
-    lines = []
-    if div is None:
-        n = min((len([r for r in t if r["op"] not in (_END, *P2P)]) for t in traces.values()), default=0)
-        lines.append(f"collective trace: the ranks agree on their first {n} collective(s); no mismatch recorded "
-                     "(a rank may be slow, or stuck outside any collective: read the stacks)")
-    else:
-        who = ", ".join(f"rank {r}" for r in div.diverging_ranks)
-        lines.append(f"collective trace: ranks disagree at collective #{div.index} (all earlier ones matched); "
-                     f"diverging: {who}")
-        for rank, call in div.calls.items():
-            where = f"  at {call['where']}" if call and call.get("where") else ""
-            lines.append(f"  rank {rank}: {describe(call) if call else '(no call yet: still running, or stuck before it)'}{where}")
-    for rank in sorted(traces) if div is None else ():
-        recs = [r for r in traces[rank] if r["op"] != _END]
-        ended = bool(traces[rank]) and traces[rank][-1]["op"] == _END
-        if ended:
-            state = "left the traced region"
-        elif waiting.get(rank) is not None:
-            state = f"waiting in call {waiting[rank]}: {describe(recs[waiting[rank]])}"
-        else:
-            state = "running (between collectives)"
-        lines.append(f"  rank {rank}: {len(recs)} call(s) recorded, {state}")
-    return "\n".join(lines), div
 
 
 class CollectiveTrace(ContextDecorator):
@@ -179,7 +103,7 @@ class CollectiveTrace(ContextDecorator):
         if not dist.is_initialized():
             raise RuntimeError("collective_trace(): no process group yet; enter it inside launch() or after "
                                "init_distributed()")
-        if getattr(_local, "active", None) is not None:
+        if _active:
             raise RuntimeError("collective_trace(): a trace is already active in this process")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._prefix = f"mgpu_lab/trace/{next(_trace_ids)}/"
@@ -193,7 +117,7 @@ class CollectiveTrace(ContextDecorator):
                 if hasattr(module, op):
                     saved[op] = getattr(module, op)
                     setattr(module, op, self._wrap(op, saved[op]))
-        _local.active, _local.depth = self, 0
+        _active.append(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -201,7 +125,7 @@ class CollectiveTrace(ContextDecorator):
             for op, fn in saved.items():
                 setattr(module, op, fn)
         self._saved.clear()
-        _local.active = None
+        _active.clear()
         self._publish("end", str(self._compared))
         return False
 
@@ -214,7 +138,7 @@ class CollectiveTrace(ContextDecorator):
                 self._store = None
 
     def _peek(self, rank: int, key: str) -> Optional[str]:
-        full = f"{self._prefix}{rank}/{key}"
+        full = f"{self._prefix}{rank}/{key}"  # check first: get() would wait for a missing key
         try:
             return self._store.get(full).decode() if self._store and self._store.check([full]) else None
         except Exception:
@@ -223,7 +147,7 @@ class CollectiveTrace(ContextDecorator):
     def _wrap(self, op: str, fn):
         @functools.wraps(fn)
         def traced(*args, **kwargs):
-            if _local.depth > 0:  # inside another traced call (the *_object ones): time it, don't record
+            if getattr(_local, "depth", 0) > 0:  # inside another traced call (*_object): time it, don't record
                 return self._call(op, fn, args, kwargs)
             record = _describe_call(op, args, kwargs)
             record["i"] = len(self.records)
@@ -234,13 +158,13 @@ class CollectiveTrace(ContextDecorator):
                 self._publish(str(record["n"]), json.dumps(record))
                 self._check_peers(record)
                 self._publish("waiting", str(record["n"]))
-            _local.depth += 1
+            _local.depth = 1
             try:
                 result = self._call(op, fn, args, kwargs)
             except RuntimeError as exc:
                 raise self._error(record, exc) from exc
             finally:
-                _local.depth -= 1
+                _local.depth = 0
             if op not in P2P:
                 self._publish("waiting", "")
             return result
