@@ -1,16 +1,14 @@
 """The collective trace: a skipped collective, a shape mismatch and a stuck rank are
 reported within the timeout, naming the ranks and the operation; no process is left."""
 import os
-import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ROOT
+from conftest import ROOT, assert_no_children, run_session
 from mgpu_lab import LaunchError, launch
 from mgpu_lab.measure.collective_trace import collective_trace
 from mgpu_lab.measure.trace_compare import first_divergence
@@ -36,15 +34,6 @@ def test_first_divergence_finds_the_first_disagreement():
     assert first_divergence({0: [rec("send", [2], root=1)] + same, 1: [rec("recv", [2], root=0)] + same}) is None
 
 
-def _no_children():
-    """The launches must leave nothing behind (the forked ranks are children of this process)."""
-    deadline = time.monotonic() + 10
-    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p.cmdline() for p in psutil.Process().children(recursive=True)]
-    assert not left, f"processes left behind: {left}"
-
-
 def _program(kind):
     rank = dist.get_rank()
     with collective_trace(timeout=TIMEOUT) as trace:
@@ -67,14 +56,14 @@ def _run(kind):
     with pytest.raises(LaunchError) as info:
         launch(_program, nprocs=2, args=(kind,), timeout=60)
     elapsed = time.monotonic() - start
-    _no_children()
+    assert_no_children()
     return info.value, elapsed
 
 
 def test_a_clean_program_records_its_sequence_and_unpatches():
     ops = launch(_program, nprocs=2, args=("clean",), timeout=60)
     assert ops == [["all_reduce", "broadcast", "barrier"]] * 2
-    _no_children()
+    assert_no_children()
 
 
 def test_a_collective_only_rank_0_calls_is_named_within_the_timeout():
@@ -112,26 +101,13 @@ def test_trace_outside_a_process_group_is_a_clear_error():
         collective_trace(timeout=0)
 
 
-def run_group(cmd, env, timeout=120):
-    """Run a command in its own session; on a timeout kill the whole session (torchrun's workers too)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
-        proc.stdout_text, proc.stderr_text = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, err = proc.communicate()
-        pytest.fail(f"{cmd} did not finish in {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout_text, proc.stderr_text)
-
-
 def test_the_trace_works_under_torchrun():
     script = str(ROOT / "tests" / "scripts" / "skip_collective.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    proc = run_group([sys.executable, "-m", "mgpu_lab", "launch", "--nproc-per-node", "2", script], env)
+    proc = run_session([sys.executable, "-m", "mgpu_lab", "launch", "--nproc-per-node", "2", script], env)
     assert proc.returncode == 1
     assert time.monotonic() - start < 5 + 30  # the trace's timeout, plus torchrun's start and stop
     assert "ranks disagree at collective #1" in proc.stderr
     assert "rank 0: all_reduce(shape=[3], float32)" in proc.stderr and "rank 1: barrier()" in proc.stderr
-    _no_children()
+    assert_no_children()

@@ -8,9 +8,8 @@ import time
 import psutil
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, assert_no_children, run_session
 from mgpu_lab import launch, load_checkpoint
-from test_collective_trace import run_group
 
 sys.path.insert(0, str(ROOT / "examples"))
 import resumable_train  # noqa: E402
@@ -27,7 +26,7 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_bit_for_bit_equal(tmp_path)
 
     ckpt, out = tmp_path / "run" / "state.pt", tmp_path / "final.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = run_group([sys.executable, "-m", "mgpu_lab", "launch", "--nproc-per-node", "2", "--max-restarts", "2",
+    proc = run_session([sys.executable, "-m", "mgpu_lab", "launch", "--nproc-per-node", "2", "--max-restarts", "2",
                       SCRIPT, "--ckpt", str(ckpt), "--out", str(out), "--die", "7:exit,15:kill"], env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1: dying at step 7 (exit)" in proc.stdout and "rank 1: dying at step 15 (kill)" in proc.stdout
@@ -39,7 +38,8 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_bit_for_bit_equal(tmp_path)
         assert torch.equal(tensor, final["model"][name]), f"{name} differs from the uninterrupted run"
     assert torch.equal(ref["rng"], final["rng"])
 
+    assert_no_children()
     time.sleep(0.5)
-    left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
+    left = [p.info for p in psutil.process_iter(["pid", "cmdline"])  # torchrun's workers run in their own sessions
             if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))]
     assert not left, f"processes left behind: {left}"

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import pytest
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import ROOT, TiedNet, VOCAB
+from conftest import ROOT, VOCAB, TiedNet, assert_no_children
 from mgpu_lab import launch
 from mgpu_lab.training.train_state import (
     TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint, unwrap,
@@ -84,7 +85,6 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
         for _ in range(600):
             if ready.exists() or proc.poll() is not None:
                 break
-            import time
             time.sleep(0.05)
         assert ready.exists(), "the child never reached the write"
         os.kill(proc.pid, signal.SIGKILL)
@@ -174,6 +174,7 @@ def test_resume_continues_bit_for_bit_on_two_ranks(tmp_path):
         assert ref["scale"] == res["scale"]
         assert torch.equal(ref["rng"], res["rng"]), f"rank {rank}: the RNG stream was not restored"
     assert not torch.equal(reference[0]["rng"], reference[1]["rng"])  # the ranks' streams differ
+    assert_no_children()
 
 
 def test_a_two_rank_checkpoint_loads_into_one_process_on_the_cpu(tmp_path):
@@ -212,3 +213,4 @@ def test_a_rank_that_skips_the_save_is_named(tmp_path):
         launch(_save_on_rank0_only, nprocs=2, args=(str(tmp_path / "c.pt"),), timeout=60)
     assert info.value.rank == 0
     assert "save_checkpoint" in str(info.value) and "ranks [1]" in str(info.value)
+    assert_no_children()
