@@ -11,7 +11,7 @@ import torch.distributed as dist
 from conftest import ROOT, assert_no_children, run_session
 from mgpu_lab import LaunchError, launch
 from mgpu_lab.measure.collective_trace import collective_trace
-from mgpu_lab.measure.trace_compare import first_divergence
+from mgpu_lab.measure.trace_compare import first_divergence, format_report
 
 TIMEOUT = 3.0
 
@@ -30,6 +30,10 @@ def test_first_divergence_finds_the_first_disagreement():
     assert first_divergence(three).diverging_ranks == [2]  # the odd one out
     short = first_divergence({0: same, 1: same[:1], 2: same})
     assert short.index == 1 and short.calls[1] is None and short.diverging_ranks == [1]
+    text, div = format_report({0: same, 1: same})
+    assert div is None and "rank 1: 2 call(s) recorded, the last: broadcast(shape=[4], float32, root=0)" in text
+    text, div = format_report({0: same + [{"op": "<end>"}], 1: same + [rec("barrier", dtype=None)]})
+    assert "rank 0: (none: it left the traced region)" in text and "rank 1: barrier()" in text
     # point-to-point calls differ by design and are not compared
     assert first_divergence({0: [rec("send", [2], root=1)] + same, 1: [rec("recv", [2], root=0)] + same}) is None
 

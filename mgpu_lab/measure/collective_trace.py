@@ -27,8 +27,8 @@ position: a peer that made a *different* call there, or left the traced region
 without making it, will never match, so it raises at once instead of letting
 the backend pair mismatched messages (gloo may abort the process, NCCL may hang
 or read garbage). Works inside ``launch()`` and under torchrun (any process
-group with a store). Costs about 2 + 2·(N-1) small store messages per
-collective while active (~0.1 ms each on one machine); nothing when inactive. Limits: calls made from C++ (torch's DDP
+group with a store). Costs 1 + 2·(N-1) small store messages per collective
+while active (``benchmarks/bench_faults.py`` measures it); nothing when inactive. Limits: calls made from C++ (torch's DDP
 reducer) are not seen — use ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` there; waits on
 ``async_op=True`` handles and on the ``*_object`` and point-to-point calls are
 bounded by the group's timeout, not ``timeout``; point-to-point calls are
@@ -157,7 +157,6 @@ class CollectiveTrace(ContextDecorator):
                 self._compared += 1
                 self._publish(str(record["n"]), json.dumps(record))
                 self._check_peers(record)
-                self._publish("waiting", str(record["n"]))
             _local.depth = 1
             try:
                 result = self._call(op, fn, args, kwargs)
@@ -165,8 +164,6 @@ class CollectiveTrace(ContextDecorator):
                 raise self._error(record, exc) from exc
             finally:
                 _local.depth = 0
-            if op not in P2P:
-                self._publish("waiting", "")
             return result
         return traced
 
@@ -178,9 +175,12 @@ class CollectiveTrace(ContextDecorator):
             if rank == self.rank:
                 continue
             theirs = self._peek(rank, str(record["n"]))
-            ended = self._peek(rank, "end")
-            if (theirs is not None and _key(json.loads(theirs)) != _key(record)) or (
-                    theirs is None and ended is not None and int(ended) <= record["n"]):
+            if theirs is not None:
+                if _key(json.loads(theirs)) != _key(record):
+                    raise self._error(record, None)
+                continue
+            ended = self._peek(rank, "end")  # it left after fewer calls: it will not come
+            if ended is not None and int(ended) <= record["n"]:
                 raise self._error(record, None)
 
     def _call(self, op, fn, args, kwargs):
@@ -210,15 +210,11 @@ class CollectiveTrace(ContextDecorator):
             traces[rank] = recs
         return traces
 
-    def _waiting(self) -> Dict[int, Optional[int]]:
-        values = {rank: self._peek(rank, "waiting") for rank in range(self.world_size)}
-        return {rank: int(v) if v else None for rank, v in values.items()}
-
     def report(self) -> str:
-        return format_report(self.gather(), self._waiting())[0]
+        return format_report(self.gather())[0]
 
     def _error(self, record: dict, exc: Optional[Exception]) -> CollectiveError:
-        text, div = format_report(self.gather(), self._waiting())
+        text, div = format_report(self.gather())
         if exc is None:
             what = "not started: the ranks disagree (see below)"
         else:

@@ -60,7 +60,7 @@ def first_divergence(traces: Dict[int, List[dict]]) -> Optional[Divergence]:
     return None
 
 
-def format_report(traces: Dict[int, List[dict]], waiting: Dict[int, Optional[int]]) -> Tuple[str, Optional[Divergence]]:
+def format_report(traces: Dict[int, List[dict]]) -> Tuple[str, Optional[Divergence]]:
     """The text ``CollectiveError`` carries: the first disagreement and where every rank is."""
     div = first_divergence(traces)
     lines = []
@@ -75,10 +75,10 @@ def format_report(traces: Dict[int, List[dict]], waiting: Dict[int, Optional[int
         for rank, call in div.calls.items():
             where = f"  at {call['where']}" if call and call.get("where") else ""
             lines.append(f"  rank {rank}: {describe(call) if call else '(no call yet: still running, or stuck before it)'}{where}")
-    for rank in sorted(traces) if div is None else ():  # no mismatch: say where each rank is
+    for rank in sorted(traces) if div is None else ():  # no mismatch: say where each rank got to
         recs = [r for r in traces[rank] if r["op"] != _END]
-        state = ("left the traced region" if traces[rank] and traces[rank][-1]["op"] == _END else
-                 f"waiting in call {waiting[rank]}: {describe(recs[waiting[rank]])}" if waiting.get(rank) is not None
-                 else "running (between collectives)")
-        lines.append(f"  rank {rank}: {len(recs)} call(s) recorded, {state}")
+        ended = bool(traces[rank]) and traces[rank][-1]["op"] == _END
+        last = f", the last: {describe(recs[-1])}" if recs else ""
+        lines.append(f"  rank {rank}: {len(recs)} call(s) recorded{last}"
+                     f"{'; it left the traced region' if ended else ''}")
     return "\n".join(lines), div
