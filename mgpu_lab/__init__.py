@@ -58,3 +58,18 @@ from .parallel.sharding import FSDP, ShardedOptimizer, partition_parameters, zer
 
 # --- training: mixed precision ---
 from .training.amp import LossScaler, amp_step, autocast_dtype
+
+# --- training: faults (resumable checkpoints) ---
+from .training.train_state import (
+    TrainState,
+    UnsafeCheckpointError,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    unwrap,
+)
+
+# --- measure: collective trace (faults) ---
+from .measure.collective_trace import CollectiveError, collective_trace
+from .measure.trace_compare import first_divergence

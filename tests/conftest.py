@@ -4,8 +4,12 @@ Import them by name (``from conftest import TiedNet, requires_gpus``): pytest pu
 this folder on ``sys.path``. tests/data holds fixture notebooks for the grader and
 the tour; they are inputs, not notebooks to validate, so nbval must not collect them.
 """
+import os
+import subprocess
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -61,3 +65,26 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys(), f"different state keys: {sorted(sa.keys() ^ sb.keys())}"
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+
+
+def assert_no_children(grace: float = 10.0) -> None:
+    """Nothing this test process started is still running (forked ranks, torchrun and its workers)."""
+    deadline = time.monotonic() + grace
+    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    assert not left, f"processes left behind: {left}"
+
+
+def run_session(cmd, env, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; past ``timeout`` kill the whole session (torchrun's
+    workers too, which a plain ``subprocess.run`` timeout would leave behind) and fail."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd} did not finish in {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
