@@ -49,3 +49,6 @@ from .parallel.collectives import (
     simulate_ring_allreduce,
 )
 from .parallel.ddp import BucketedDDP, NaiveDDP
+
+# --- training: activation checkpointing ---
+from .training.checkpointing import checkpoint, checkpoint_sequential, peak_memory, saved_tensor_bytes
