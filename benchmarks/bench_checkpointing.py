@@ -12,7 +12,7 @@ For each number of segments k, one training step (zero_grad, forward through
 ``mgpu_lab.checkpoint_sequential(model, k, x)``, loss, backward):
 
 * saved bytes: what autograd keeps after forward (``mgpu_lab.saved_tensor_bytes``),
-  the same on any device; on a GPU also the allocator's peak during the whole
+  not what an allocator holds; on a GPU also the allocator's peak during the whole
   step (``mgpu_lab.peak_memory``), which adds one segment's recompute;
 * step time: median over ``--steps``, settings interleaved so machine load hits
   all alike.

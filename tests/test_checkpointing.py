@@ -7,7 +7,7 @@ import torch.utils.checkpoint as tc
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import ATOL, RTOL, TiedNet, VOCAB, max_param_diff, requires_gpus
+from conftest import ATOL, RTOL, TiedNet, VOCAB, requires_gpus
 from mgpu_lab import checkpoint, checkpoint_sequential, launch, peak_memory, saved_tensor_bytes
 
 
@@ -250,7 +250,7 @@ def test_ddp_training_with_checkpoint_equals_plain():
 def test_peak_memory_on_gpu():
     dev = torch.device("cuda", 0)
     net = stack(n=16, width=256, p=0.1).to(dev)
-    x = torch.randn(512, 256, device=dev, requires_grad=True)
+    x = torch.randn(4096, 256, device=dev, requires_grad=True)  # activations >> gradients
 
     def step(run):
         def f():
@@ -261,8 +261,19 @@ def test_peak_memory_on_gpu():
 
     plain = peak_memory(step(net))
     ckpt = peak_memory(step(lambda h: checkpoint_sequential(net, 4, h)))
-    assert ckpt < 0.6 * plain, (ckpt, plain)
-    cpu_net = stack(n=16, width=256, p=0.1)
-    assert saved_tensor_bytes(net, x) == saved_tensor_bytes(cpu_net, x.detach().cpu().requires_grad_())
+    assert 0 < ckpt < 0.5 * plain, (ckpt, plain)
     mine = grads_of(lambda h: checkpoint_sequential(net, 4, h), net, x)
     assert_same(mine, grads_of(net, net, x))
+
+
+@requires_gpus(1)
+def test_saved_bytes_same_on_cpu_and_gpu():
+    # Without dropout: its kernels differ (CUDA saves a 1-byte mask, CPU a float one).
+    nets = [stack(n=4, width=64, p=0.0) for _ in range(2)]
+    nets[1].to("cuda:0")
+    x = torch.randn(32, 64, requires_grad=True)
+    xs = [x, x.detach().to("cuda:0").requires_grad_()]
+    for k in (1, 2, 4):
+        cpu, gpu = (saved_tensor_bytes(lambda h: checkpoint_sequential(net, k, h), xx)
+                    for net, xx in zip(nets, xs))
+        assert cpu == gpu > 0, (k, cpu, gpu)

@@ -33,8 +33,8 @@ un-checkpointed run; the generators are restored afterwards, so checkpointing
 does not change the random numbers that later code draws.
 
 Measuring: ``saved_tensor_bytes(fn, *args)`` counts the bytes autograd saves
-while ``fn`` runs (the same on CPU and GPU); ``peak_memory(fn, *args)`` is the
-CUDA allocator's peak during ``fn``.
+while ``fn`` runs (what is saved, not what an allocator reserved);
+``peak_memory(fn, *args)`` is the CUDA allocator's peak during ``fn``.
 """
 from __future__ import annotations
 
@@ -208,9 +208,10 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, count_parameters: boo
     once (two tensors that share memory, like ``relu``'s output and the next
     ``Linear``'s input, are one allocation), at its full size. Parameters (and
     views of them) are weights, not activations, and are left out unless
-    ``count_parameters=True``. The same number on CPU and GPU: it counts what is
-    saved, not what an allocator reserved. Runs ``fn`` once, with grad enabled,
-    and drops its result.
+    ``count_parameters=True``. It counts what is saved, not what an allocator
+    reserved, so it is the same on CPU and GPU wherever their kernels save the
+    same tensors (dropout does not: CUDA saves a 1-byte mask, the CPU a float
+    one). Runs ``fn`` once, with grad enabled, and drops its result.
     """
     seen: Dict[Tuple[str, int], int] = {}
     keep: List[torch.Tensor] = []  # alive until the end, so no address is reused
@@ -224,7 +225,8 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, count_parameters: boo
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args, **kwargs)
-    del out, keep
+    del out
+    keep.clear()
     return sum(seen.values())
 
 
