@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_checkpointing.py
 
 Options: --steps (timed steps per setting, default 7), --mlp-blocks (default 32),
---width (default 256), --batch (default 64), --tf-layers (default 16), --device
-(default: cuda:0 when there is a GPU, else cpu).
+--width (default 256), --batch (default 64), --tf-layers (default 16), --tf-dropout
+(default 0.1), --device (default: cuda:0 when there is a GPU, else cpu).
 
 Two models: a stack of transformer-style MLP blocks (x + fc2(gelu(fc1(x))), 4x
 hidden) and a small transformer encoder (nn.TransformerEncoderLayer, pre-norm).
@@ -20,8 +20,11 @@ For each number of segments k, one training step (zero_grad, forward through
 Ratios are against the plain model (no checkpointing) measured in the same run;
 ``torch.utils.checkpoint.checkpoint_sequential`` (use_reentrant=False) at
 sqrt(n) segments is the PyTorch baseline. Target: at k = round(sqrt(n)),
-<= 0.35x the plain saved bytes at <= 1.4x the plain step time. Ends with one
-JSON line.
+<= 0.35x the plain saved bytes at <= 1.4x the plain step time. The time a
+recompute costs is the recomputed blocks' share of the forward, so the script
+also times the forward alone and prints the ratio that predicts (on CPU,
+dropout's random numbers make the transformer's forward unusually expensive
+next to its backward). Ends with one JSON line.
 """
 from __future__ import annotations
 
@@ -52,10 +55,10 @@ def mlp(blocks: int, width: int) -> nn.Sequential:
     return nn.Sequential(*[Block(width) for _ in range(blocks)])
 
 
-def transformer(layers: int, d_model: int = 128) -> nn.Sequential:
+def transformer(layers: int, d_model: int = 128, dropout: float = 0.1) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model,
-                                                      dropout=0.1, batch_first=True, norm_first=True)
+                                                      dropout=dropout, batch_first=True, norm_first=True)
                            for _ in range(layers)])
 
 
@@ -80,14 +83,19 @@ def bench(model: nn.Sequential, x: torch.Tensor, steps: int):
         model.zero_grad(set_to_none=True)
         run(x).float().pow(2).mean().backward()
 
-    times = {name: [] for name in runs}
-    for name, run in runs.items():  # warm-up
-        step(run)
+    def forward_only(_):
+        with torch.no_grad():
+            model(x)
+
+    times = {name: [] for name in list(runs) + ["forward"]}
+    todo = {**{name: (step, run) for name, run in runs.items()}, "forward": (forward_only, None)}
+    for f, run in todo.values():  # warm-up
+        f(run)
     for _ in range(steps):
-        for name, run in runs.items():
+        for name, (f, run) in todo.items():
             _sync(device)
             t0 = time.perf_counter()
-            step(run)
+            f(run)
             _sync(device)
             times[name].append(time.perf_counter() - t0)
     rows = []
@@ -95,10 +103,10 @@ def bench(model: nn.Sequential, x: torch.Tensor, steps: int):
         saved = saved_tensor_bytes(run, x)
         peak = peak_memory(step, run) if device.type == "cuda" else None
         rows.append((name, segs[name], saved, peak, statistics.median(times[name])))
-    return rows, root
+    return rows, root, statistics.median(times["forward"])
 
 
-def report(title: str, rows, root: int) -> dict:
+def report(title: str, rows, root: int, n: int, forward: float) -> dict:
     base = {r[0]: r for r in rows}["plain"]
     print(f"\n{title}")
     head = f"{'setting':<16} {'segments':>8} {'saved MB':>9} {'x plain':>8} {'peak MB':>8} " \
@@ -117,6 +125,11 @@ def report(title: str, rows, root: int) -> dict:
            "plain_saved_bytes": base[2], "plain_step_ms": round(base[4] * 1e3, 2)}
     if base[3] is not None:
         out["peak_ratio"] = round(at[3] / base[3], 3)
+    share = forward / base[4]
+    out["forward_share"] = round(share, 3)
+    out["expected_time_ratio"] = round(1 + (root - 1) * (n // root) / n * share, 3)
+    print(f"forward alone: {forward * 1e3:.1f} ms = {share:.2f} of a plain step, so recomputing "
+          f"{(root - 1) * (n // root)} of {n} blocks should cost about {out['expected_time_ratio']:.2f}x")
     ok = out["bytes_ratio"] <= 0.35 and out["time_ratio"] <= 1.4
     print(f"sqrt(n) = {root} segments: {out['bytes_ratio']:.2f}x bytes (target <= 0.35x), "
           f"{out['time_ratio']:.2f}x time (target <= 1.4x), {out['time_vs_torch']:.2f}x torch's "
@@ -132,6 +145,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tf-layers", type=int, default=16)
+    parser.add_argument("--tf-dropout", type=float, default=0.1)
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -141,16 +155,16 @@ def main() -> None:
 
     model = mlp(args.mlp_blocks, args.width).to(device)
     x = torch.randn(args.batch, args.width, device=device, requires_grad=True)
-    rows, root = bench(model, x, args.steps)
+    rows, root, fwd = bench(model, x, args.steps)
     results["mlp"] = report(f"{args.mlp_blocks}-block MLP, width {args.width} (hidden {4 * args.width}), "
-                            f"batch {args.batch}", rows, root)
+                            f"batch {args.batch}", rows, root, args.mlp_blocks, fwd)
 
-    model = transformer(args.tf_layers).to(device)
+    model = transformer(args.tf_layers, dropout=args.tf_dropout).to(device)
     model.train()
     x = torch.randn(8, 64, 128, device=device, requires_grad=True)
-    rows, root = bench(model, x, args.steps)
+    rows, root, fwd = bench(model, x, args.steps)
     results["transformer"] = report(f"{args.tf_layers}-layer transformer encoder, d_model 128, 4 heads, "
-                                    f"batch 8 x 64 tokens, dropout 0.1", rows, root)
+                                    f"batch 8 x 64 tokens, dropout {args.tf_dropout}", rows, root, args.tf_layers, fwd)
     print(json.dumps({"bench": "checkpointing", **results}))
 
 
