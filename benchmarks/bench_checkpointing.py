@@ -164,7 +164,8 @@ def main() -> None:
     x = torch.randn(8, 64, 128, device=device, requires_grad=True)
     rows, root, fwd = bench(model, x, args.steps)
     results["transformer"] = report(f"{args.tf_layers}-layer transformer encoder, d_model 128, 4 heads, "
-                                    f"batch 8 x 64 tokens, dropout {args.tf_dropout}", rows, root, args.tf_layers, fwd)
+                                    f"batch 8 x 64 tokens, dropout {args.tf_dropout}", rows, root,
+                                    args.tf_layers, fwd)
     print(json.dumps({"bench": "checkpointing", **results}))
 
 

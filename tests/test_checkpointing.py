@@ -123,6 +123,33 @@ def test_retain_graph_backward_twice():
     assert_same([p.grad for p in net.parameters() if p.requires_grad], ref)
 
 
+def test_nested_checkpoint_and_autocast():
+    net, x = stack(n=4, p=0.3), torch.randn(3, 8)
+    nested = lambda h: checkpoint(lambda y: checkpoint(net[2:], checkpoint(net[:2], y)), h)  # noqa: E731
+    assert_same(grads_of(nested, net, x), grads_of(net, net, x))
+
+
+    def autocast_forward(run):  # forward under autocast, backward outside it, as in training
+        def fwd(h):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return run(h)
+        return fwd
+
+    assert_same(grads_of(autocast_forward(lambda h: checkpoint(net, h)), net, x),
+                grads_of(autocast_forward(net), net, x))
+
+
+def test_recompute_that_differs_is_an_error():
+    net, calls = stack(n=2, p=0.0), []
+
+    def moody(h):  # a different graph the second time
+        calls.append(1)
+        return net(h) if len(calls) == 1 else net[0](h)
+
+    with pytest.raises(RuntimeError, match="must do the same operations"):
+        checkpoint(moody, torch.randn(2, 8, requires_grad=True)).sum().backward()
+
+
 def test_parameter_gradient_hooks_fire_once():
     """The non-reentrant design: a module used in two checkpointed calls gets its
     gradient accumulated once per backward (what DDP's reducer relies on); the
