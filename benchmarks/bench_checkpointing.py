@@ -15,14 +15,17 @@ For each number of segments k, one training step (zero_grad, forward through
   not what an allocator holds; on a GPU also the allocator's peak during the whole
   step (``mgpu_lab.peak_memory``), which adds one segment's recompute;
 * step time: median over ``--steps``, settings interleaved so machine load hits
-  all alike.
+  all alike. On CPU it is the process's CPU time (``time.process_time``: with
+  one thread, the compute time, which other programs on a shared machine do
+  not inflate); on a GPU, wall time between ``cuda.synchronize`` calls.
 
 Ratios are against the plain model (no checkpointing) measured in the same run;
 ``torch.utils.checkpoint.checkpoint_sequential`` (use_reentrant=False) at
 sqrt(n) segments is the PyTorch baseline. Target: at k = round(sqrt(n)),
 <= 0.35x the plain saved bytes at <= 1.4x the plain step time. The time a
 recompute costs is the recomputed blocks' share of the forward, so the script
-also times the forward alone and prints the ratio that predicts (on CPU,
+also times the forward alone (with grad, as a recompute runs) and prints the
+ratio that predicts (on CPU,
 dropout's random numbers make the transformer's forward unusually expensive
 next to its backward). Ends with one JSON line.
 """
@@ -83,21 +86,21 @@ def bench(model: nn.Sequential, x: torch.Tensor, steps: int):
         model.zero_grad(set_to_none=True)
         run(x).float().pow(2).mean().backward()
 
-    def forward_only(_):
-        with torch.no_grad():
-            model(x)
+    def forward_only(_):  # with grad, as the recompute runs it (it records a graph)
+        model(x)
 
     times = {name: [] for name in list(runs) + ["forward"]}
     todo = {**{name: (step, run) for name, run in runs.items()}, "forward": (forward_only, None)}
     for f, run in todo.values():  # warm-up
         f(run)
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     for _ in range(steps):
         for name, (f, run) in todo.items():
             _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             f(run)
             _sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     rows = []
     for name, run in runs.items():
         saved = saved_tensor_bytes(run, x)
@@ -149,8 +152,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
+    clock = "wall time" if device.type == "cuda" else "process CPU time"
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-          f"median of {args.steps} steps")
+          f"median of {args.steps} steps ({clock})")
     results = {"device": str(device)}
 
     model = mlp(args.mlp_blocks, args.width).to(device)
