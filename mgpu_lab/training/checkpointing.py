@@ -78,8 +78,11 @@ class _Frame:
     """One checkpointed call: its inputs, RNG and autocast state, and the recompute."""
 
     def __init__(self, fn, args, kwargs, tensor_slots, tensors, saver):
-        self.fn, self.args, self.kwargs = fn, args, kwargs
-        self.slots = tensor_slots  # where the tensors sit: ("a", i) or ("k", name)
+        # The tensors live only in the saver (so an outer hook that offloads them really frees them).
+        self.fn = fn
+        self.args = [None if isinstance(a, torch.Tensor) else a for a in args]
+        self.kwargs = {k: None if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        self.slots = tensor_slots  # where the tensors sit: ("a", index, requires_grad) or ("k", name, ...)
         self.requires_grad = [s[2] for s in tensor_slots]
         self.saver = saver  # the _SaveInputs output; its grad_fn holds the inputs
         self.shapes: List[Tuple[torch.Size, torch.dtype]] = []  # what forward saved, in order
@@ -103,7 +106,7 @@ class _Frame:
     def recompute(self) -> None:
         saved = self.saver.grad_fn.saved_tensors
         inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, self.requires_grad)]
-        args, kwargs = list(self.args), dict(self.kwargs)
+        args, kwargs = list(self.args), dict(self.kwargs)  # fresh copies: the frame may recompute again
         for (kind, key, _), t in zip(self.slots, inputs):
             if kind == "a":
                 args[key] = t
