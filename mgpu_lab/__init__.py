@@ -73,3 +73,6 @@ from .training.train_state import (
 # --- measure: collective trace (faults) ---
 from .measure.collective_trace import CollectiveError, collective_trace
 from .measure.trace_compare import first_divergence
+
+# --- training: activation checkpointing ---
+from .training.checkpointing import checkpoint, checkpoint_sequential, peak_memory, saved_tensor_bytes

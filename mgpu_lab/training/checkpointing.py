@@ -1,0 +1,261 @@
+"""Activation (gradient) checkpointing: trade compute for memory.
+
+Backward needs some of the tensors forward made (a ``Linear`` needs its input
+to compute the weight's gradient, a ``GELU`` its input, softmax its output), so
+autograd *saves* them and keeps them until backward has used them. For a deep
+network that is most of the memory of a training step, and it grows with the
+batch size and the sequence length. ``checkpoint(fn, *args)`` keeps only the
+inputs of ``fn``; in backward, the first time autograd asks for a tensor ``fn``
+saved, ``fn`` runs again (with grad) to make them all, then backward goes on.
+
+Cost: one extra forward of ``fn`` per backward. Gain: the tensors saved inside
+``fn`` live only during its part of backward. ``checkpoint_sequential`` cuts a
+stack of ``n`` blocks into ``k`` segments and checkpoints each but the last: the
+step keeps ``k - 1`` segment inputs plus one segment's activations (about
+``n/k`` blocks), which is smallest for ``k`` near ``sqrt(n)``: O(sqrt(n))
+memory for about one extra forward pass (Chen et al., 2016).
+
+How it works (the *non-reentrant* design, as ``torch.utils.checkpoint`` with
+``use_reentrant=False``): forward runs ``fn`` normally, inside
+``torch.autograd.graph.saved_tensors_hooks`` whose pack hook stores a number
+instead of the tensor. Backward walks the *original* graph; the unpack hook
+recomputes ``fn`` on the saved inputs and hands back the recomputed tensor of
+the same number. The recomputed graph is never backpropagated, so each
+parameter's gradient hook fires once, in the order it would without
+checkpointing: what ``DistributedDataParallel`` expects. (The *reentrant*
+design instead wraps ``fn`` in an ``autograd.Function`` whose backward calls
+``torch.autograd.backward`` on the recomputed graph, a nested backward per
+segment, which is what breaks DDP: lab 07.)
+
+The CPU and CUDA random-number generators are reset to their state at forward
+time for the recompute, so dropout draws the same mask and gradients equal the
+un-checkpointed run; the generators are restored afterwards, so checkpointing
+does not change the random numbers that later code draws.
+
+Measuring: ``saved_tensor_bytes(fn, *args)`` counts the bytes autograd saves
+while ``fn`` runs (what is saved, not what an allocator reserved);
+``peak_memory(fn, *args)`` is the CUDA allocator's peak during ``fn``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["checkpoint", "checkpoint_sequential", "saved_tensor_bytes", "peak_memory"]
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Holds ``fn``'s tensor inputs with ``save_for_backward``: never backpropagated.
+
+    Saving them as autograd-saved tensors (rather than in a closure) means an
+    outer ``saved_tensors_hooks`` (``saved_tensor_bytes``, CPU offloading) sees
+    what checkpointing keeps, and in-place changes to an input are caught by
+    autograd's version check."""
+
+    @staticmethod
+    def forward(ctx, dummy, *tensors):
+        ctx.save_for_backward(*tensors)
+        return dummy.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, *grads):  # the output is never used
+        raise RuntimeError("mgpu_lab.checkpoint: the input holder was backpropagated (a bug)")
+
+
+def _cuda_devices(tensors: Sequence[torch.Tensor]) -> List[int]:
+    """The CUDA devices whose generators ``fn`` may draw from: those of its inputs,
+    and the current one if CUDA is in use (a module's dropout on a GPU)."""
+    devs = {t.device.index for t in tensors if t.is_cuda}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devs.add(torch.cuda.current_device())
+    return sorted(devs)
+
+
+class _Frame:
+    """One checkpointed call: its inputs, RNG and autocast state, and the recompute."""
+
+    def __init__(self, fn, args, kwargs, tensor_slots, tensors, saver):
+        # The tensors live only in the saver (so an outer hook that offloads them really frees them).
+        self.fn = fn
+        self.args = [None if isinstance(a, torch.Tensor) else a for a in args]
+        self.kwargs = {k: None if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        self.slots = tensor_slots  # where the tensors sit: ("a", index, requires_grad) or ("k", name, ...)
+        self.requires_grad = [s[2] for s in tensor_slots]
+        self.saver = saver  # the _SaveInputs output; its grad_fn holds the inputs
+        self.shapes: List[Tuple[torch.Size, torch.dtype]] = []  # what forward saved, in order
+        self.recomputed: Optional[List[Optional[torch.Tensor]]] = None
+        self.cuda_devices = _cuda_devices(tensors)
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.cuda_devices]
+        self.autocast = {dev: (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+                         for dev in ("cpu", "cuda") if dev == "cpu" or torch.cuda.is_available()}
+
+    def pack(self, t: torch.Tensor) -> int:
+        self.shapes.append((t.shape, t.dtype))
+        return len(self.shapes) - 1
+
+    def unpack(self, i: int) -> torch.Tensor:
+        if self.recomputed is None or self.recomputed[i] is None:
+            self.recompute()
+        t, self.recomputed[i] = self.recomputed[i], None  # free it once backward has it
+        return t
+
+    def recompute(self) -> None:
+        saved = self.saver.grad_fn.saved_tensors
+        inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, self.requires_grad)]
+        args, kwargs = list(self.args), dict(self.kwargs)  # fresh copies: the frame may recompute again
+        for (kind, key, _), t in zip(self.slots, inputs):
+            if kind == "a":
+                args[key] = t
+            else:
+                kwargs[key] = t
+        out: List[torch.Tensor] = []
+
+        def keep(t: torch.Tensor) -> None:
+            out.append(t.detach())
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.cuda_devices))
+            torch.set_rng_state(self.cpu_rng)
+            for d, state in zip(self.cuda_devices, self.cuda_rng):
+                torch.cuda.set_rng_state(state, d)
+            for dev, (enabled, dtype) in self.autocast.items():
+                stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None))
+            self.fn(*args, **kwargs)
+        got = [(t.shape, t.dtype) for t in out]
+        if got != self.shapes:
+            raise RuntimeError(
+                f"checkpoint: the recompute of {getattr(self.fn, '__name__', self.fn)!r} saved "
+                f"{len(got)} tensors, forward saved {len(self.shapes)} (or their shapes differ). "
+                "fn must do the same operations every time it is called with the same inputs: "
+                "no data-dependent branches on global state, no in-place changes to its inputs.")
+        self.recomputed = out
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, keeping only its inputs for backward; ``fn`` runs again in backward.
+
+    Returns what ``fn`` returns; gradients (with respect to the inputs and to any
+    parameters ``fn`` uses) equal those of a plain call, dropout included.
+    Arguments may be tensors that require grad or not, and non-tensors (passed
+    through unchanged). Under ``torch.no_grad()`` this is just ``fn(*args)``.
+    ``fn`` must be deterministic given its inputs and the RNG state, and must not
+    modify its inputs in place.
+    """
+    if not callable(fn):
+        raise TypeError(f"checkpoint(fn, *args): fn must be callable, got {type(fn).__name__}")
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    slots = [("a", i, a.requires_grad) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    slots += [("k", k, v.requires_grad) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    tensors = [args[key] if kind == "a" else kwargs[key] for kind, key, _ in slots]
+    dummy = torch.empty(0, requires_grad=True)
+    saver = _SaveInputs.apply(dummy, *tensors)  # before our hooks: outer hooks see the inputs
+    frame = _Frame(fn, args, kwargs, slots, tensors, saver)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+        return fn(*args, **kwargs)
+
+
+def _segments(n: int, segments: int) -> List[Tuple[int, int]]:
+    """torch's split: ``segments - 1`` segments of ``n // segments`` blocks, the rest last."""
+    size = n // segments
+    bounds = [(s, s + size) for s in range(0, size * (segments - 1), size)]
+    return bounds + [(size * (segments - 1), n)]
+
+
+def checkpoint_sequential(modules, segments: int, x: torch.Tensor) -> torch.Tensor:
+    """Run ``modules`` (an ``nn.Sequential`` or a list of callables) on ``x`` in
+    ``segments`` pieces, checkpointing every piece but the last (whose activations
+    backward needs at once anyway). Same split as ``torch.utils.checkpoint.checkpoint_sequential``:
+    ``segments - 1`` pieces of ``len(modules) // segments`` blocks, the remainder last.
+
+    Memory: ``segments - 1`` piece inputs plus the last piece's activations, and
+    during backward one piece's recomputed activations at a time.
+    """
+    funcs = list(modules.children()) if isinstance(modules, nn.Sequential) else list(modules)
+    if not funcs:
+        raise ValueError("checkpoint_sequential: no modules to run")
+    if not isinstance(segments, int) or isinstance(segments, bool) or not 1 <= segments <= len(funcs):
+        raise ValueError(f"checkpoint_sequential: segments must be an int in 1..{len(funcs)} "
+                         f"(the number of modules), got {segments!r}")
+
+    def run(start: int, end: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def piece(h):
+            for f in funcs[start:end]:
+                h = f(h)
+            return h
+        return piece
+
+    bounds = _segments(len(funcs), segments)
+    for start, end in bounds[:-1]:
+        x = checkpoint(run(start, end), x)
+    return run(*bounds[-1])(x)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``Linear`` saves ``weight.t()``)."""
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, count_parameters: bool = False,
+                       **kwargs: Any) -> int:
+    """Bytes of the tensors autograd saves for backward while ``fn(*args, **kwargs)`` runs.
+
+    This is the activation memory a forward pass leaves behind (what backward
+    will read), measured with ``saved_tensors_hooks``: each storage is counted
+    once (two tensors that share memory, like ``relu``'s output and the next
+    ``Linear``'s input, are one allocation), at its full size. Parameters (and
+    views of them) are weights, not activations, and are left out unless
+    ``count_parameters=True``. It counts what is saved, not what an allocator
+    reserved, so it is the same on CPU and GPU wherever their kernels save the
+    same tensors (dropout does not: CUDA saves a 1-byte mask, the CPU a float
+    one). Runs ``fn`` once, with grad enabled, and drops its result.
+    """
+    seen: Dict[Tuple[str, int], int] = {}
+    keep: List[torch.Tensor] = []  # alive until the end, so no address is reused
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if count_parameters or not _is_parameter(t):
+            s = t.untyped_storage()
+            seen.setdefault((str(t.device), s.data_ptr()), s.nbytes())
+            keep.append(t)
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args, **kwargs)
+    del out
+    keep.clear()
+    return sum(seen.values())
+
+
+def peak_memory(fn: Callable[..., Any], *args: Any, device=None, **kwargs: Any) -> int:
+    """Peak CUDA memory allocated while ``fn(*args, **kwargs)`` runs, above what was
+    allocated when it started, in bytes (``torch.cuda.max_memory_allocated``).
+
+    Pass a whole training step (forward and backward) to see checkpointing's real
+    effect: saved activations plus the recompute's transient ones. CUDA only; on
+    CPU, use ``saved_tensor_bytes``. ``device`` defaults to the first CUDA tensor
+    argument's device, else the current CUDA device.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("peak_memory measures the CUDA caching allocator and needs a GPU; "
+                           "on CPU use mgpu_lab.saved_tensor_bytes(fn, *args) to count the "
+                           "activation bytes autograd saves")
+    if device is None:
+        cuda_args = [a for a in list(args) + list(kwargs.values())
+                     if isinstance(a, torch.Tensor) and a.is_cuda]
+        device = cuda_args[0].device if cuda_args else torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"peak_memory: device must be a CUDA device, got {device}")
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn(*args, **kwargs)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
