@@ -19,7 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from conftest import ATOL, RTOL, VOCAB, TiedNet, max_param_diff, mlp
-from mgpu_lab import BucketedDDP, GradientAccumulator, NaiveDDP, launch
+from mgpu_lab import BucketedDDP, GradientAccumulator, LossScaler, NaiveDDP, launch
 
 SEQ = 5
 
@@ -126,11 +126,18 @@ def test_last_closes_the_window_early():
     assert acc.micro_steps_in_window == 0 and acc.flush() is False
 
 
-def test_scaler_updates_once_per_window_and_an_overflow_skips_the_window():
+SCALERS = {  # torch's, and mgpu_lab's own: the same API and numbers
+    "GradScaler": lambda **kw: torch.amp.GradScaler("cpu", **kw),
+    "LossScaler": lambda **kw: LossScaler(**kw),
+}
+
+
+@pytest.mark.parametrize("make_scaler", SCALERS.values(), ids=SCALERS.keys())
+def test_scaler_updates_once_per_window_and_an_overflow_skips_the_window(make_scaler):
     k, max_norm = 2, 0.05
     batches = _mse_batches([3, 5, 4, 2, 6, 1, 3, 3])   # 4 windows; window 2 overflows
     model, ref = mlp(0), mlp(0)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    scaler = make_scaler(init_scale=1024.0, growth_interval=2)
     acc = GradientAccumulator(model, _sgd(model), k, scaler=scaler, max_grad_norm=max_norm)
     scales, stepped, snapshot = [], [], None
     for i, (x, y) in enumerate(batches):

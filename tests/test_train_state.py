@@ -1,4 +1,5 @@
 """Checkpoints: atomic under failures, refusing pickled code, resuming bit for bit."""
+import functools
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import ROOT, VOCAB, TiedNet, assert_no_children
-from mgpu_lab import launch
+from mgpu_lab import LossScaler, launch
 from mgpu_lab.training.train_state import (
     TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint, unwrap,
 )
@@ -132,12 +133,13 @@ def test_saving_an_object_that_would_not_load_is_refused_before_writing(tmp_path
 
 # --------------------------------------------------------------------------- resuming bit for bit
 
-def _train(path, start_fresh, steps, save_at):
+def _train(path, start_fresh, steps, save_at, own_scaler=False):
     """TiedNet under DDP, Adam, a loss scaler, dropout drawn per rank: every piece of state matters."""
     rank = dist.get_rank()
     model = DDP(TiedNet(seed=0))
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    scaler_cls = LossScaler if own_scaler else functools.partial(torch.amp.GradScaler, "cpu")
+    scaler = scaler_cls(init_scale=2.0 ** 10, growth_interval=3)
     torch.manual_seed(100 + rank)  # each rank its own dropout stream
     state = TrainState(model, optimizer, scaler)
     if not start_fresh:
@@ -159,14 +161,15 @@ def _train(path, start_fresh, steps, save_at):
     return {"model": unwrap(model).state_dict(), "scale": scaler.get_scale(), "rng": torch.rand(3)}
 
 
-def test_resume_continues_bit_for_bit_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("own_scaler", [False, True], ids=["GradScaler", "LossScaler"])
+def test_resume_continues_bit_for_bit_on_two_ranks(tmp_path, own_scaler):
     path = str(tmp_path / "state.pt")
-    reference = launch(_train, nprocs=2, args=(path, True, 8, None), timeout=120)
-    launch(_train, nprocs=2, args=(path, True, 8, 4), timeout=120)  # "dies" after saving at step 4
+    reference = launch(_train, nprocs=2, args=(path, True, 8, None, own_scaler), timeout=120)
+    launch(_train, nprocs=2, args=(path, True, 8, 4, own_scaler), timeout=120)  # "dies" after saving at step 4
     saved = load_checkpoint(path)
     assert saved["step"] == 4 and saved["world_size"] == 2 and len(saved["rng"]) == 2
     assert not any(k.startswith("module.") for k in saved["model"])  # model.module's state
-    resumed = launch(_train, nprocs=2, args=(path, False, 8, None), timeout=120)
+    resumed = launch(_train, nprocs=2, args=(path, False, 8, None, own_scaler), timeout=120)
     for rank in range(2):
         ref, res = reference[rank], resumed[rank]
         for name, tensor in ref["model"].items():
