@@ -244,13 +244,19 @@ def execute_notebook(path: Path, timeout: float = 600.0) -> List[str]:
 
 
 def packaged_labs():
-    """The labs shipped in the wheel (a Traversable folder), or None in a bare checkout."""
+    """The labs installed with the package (``mgpu_lab/_labs`` in the wheel), or None."""
+    import mgpu_lab
+    folder = Path(mgpu_lab.__file__).resolve().parent / "_labs"
+    if not folder.is_dir():
+        try:  # an editable install maps mgpu_lab._labs to the checkout's labs/
+            from importlib.resources import files
+            folder = files("mgpu_lab._labs")
+        except (ImportError, TypeError, ValueError):
+            return None
     try:
-        from importlib.resources import files
-        folder = files("mgpu_lab._labs")
-    except (ImportError, ModuleNotFoundError, TypeError):
+        return folder if any(p.name.endswith(".ipynb") for p in folder.iterdir()) else None
+    except OSError:
         return None
-    return folder if any(p.name.endswith(".ipynb") for p in folder.iterdir()) else None
 
 
 def copy_labs(dest: Path, source=None) -> List[str]:
