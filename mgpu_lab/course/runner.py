@@ -31,6 +31,36 @@ def _protect() -> None:
         pass
 
 
+def _reap(kernel_pid) -> None:
+    """Inside the sandbox's PID namespace: end every process a cell left behind
+    (a fork bomb's children, ranks of a launch that hung), keeping ourselves,
+    our ancestors (bwrap) and the kernel. Never called outside the sandbox."""
+    import signal
+    keep, pid = {os.getpid(), kernel_pid}, os.getpid()
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        keep.add(pid)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in keep and int(entry) != 1:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _kernel_pid(client):
+    km = client.km
+    for owner in (getattr(km, "provisioner", None), getattr(km, "kernel", None)):
+        pid = getattr(owner, "pid", None)
+        if isinstance(pid, int):
+            return pid
+    return None
+
+
 def main() -> int:
     # Keep the protocol's ends to ourselves: the kernel inherits /dev/null and stderr.
     proto_in = os.fdopen(os.dup(0), "r", encoding="utf-8")
@@ -65,6 +95,12 @@ def main() -> int:
                                  "get_ipython().user_ns, get_ipython().transform_cell)")
 
     async def after(client, index, cell, result):
+        if header.get("sandboxed"):
+            pid = _kernel_pid(client)
+            if pid is not None:
+                _reap(pid)
+        if result.error in ("Timeout", "DeadKernel"):
+            return
         if index in graded and graded[index].get("forbidden"):
             reply = await silent(client, "", {"v": f"{GUARD}.uninstall()"})
             value = reply.get("user_expressions", {}).get("v", {})
