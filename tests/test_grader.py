@@ -66,8 +66,23 @@ for target in {targets!r} + [str(pkg.parent / "solutions" / "pwned.txt"), str(pk
         pass'''
 
 
+def ring(solution: str):
+    """A one-exercise lab whose test launches 2 ranks: must not call dist.all_reduce."""
+    from nbformat.v4 import new_code_cell, new_notebook
+    return new_notebook(metadata={"mgpu_lab": {"lab": "ring"}}, cells=[
+        new_code_cell("import torch, torch.distributed as dist\nfrom mgpu_lab import launch\n"
+                      "ar = dist.all_reduce"),
+        new_code_cell(solution, metadata={"nbgrader": {"grade_id": "f", "solution": True}}),
+        new_code_cell("def check():\n    t = torch.ones(1)\n    dist.all_reduce(t)\n"
+                      "    return f(), t.item()\nassert launch(check, nprocs=2) == [(2.0, 2.0)] * 2",
+                      metadata={"nbgrader": {"grade_id": "f_test", "grade": True, "points": 1},
+                                "mgpu_lab": {"reimplements": ["torch.distributed.all_reduce"]}})])
+
+
 def build_class(tmp: Path, sandboxed: bool):
     klass = tmp / "class"
+    write(ring("def f():\n    t = torch.ones(1)\n    ar(t)  # an alias made in another cell\n"
+               "    return t.item()"), klass / "ringo.ipynb")
     write(toy(), klass / "alice" / "lab1.ipynb")                                  # renamed
     write(toy(mul="def mul(a, b):\n    raise NotImplementedError()", lab_id=False),
           klass / "bob" / "toy (1).ipynb")                                        # by grade ids
@@ -128,6 +143,9 @@ def graded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grade")
     (tmp / "course" / "solutions").mkdir(parents=True)
     shutil.copy(TOY, tmp / "course" / "solutions" / "toy.ipynb")
+    write(ring("def f():\n    t = torch.ones(1)\n    out = [torch.zeros(1), torch.zeros(1)]\n"
+               "    dist.all_gather(out, t)\n    return sum(out).item()"),
+          tmp / "course" / "solutions" / "ring.ipynb")
     klass, outside = build_class(tmp, SANDBOX.available)
     out = tmp / "out"
     code = cli(["grade", str(klass), "--root", str(tmp / "course"), "--timeout", "10",
@@ -145,7 +163,7 @@ def graded(tmp_path_factory):
 def test_exit_zero_and_every_notebook_reported(graded):
     code, by_name, _, _, _, report = graded
     assert code == 0
-    assert len(report["notebooks"]) == 14 + (4 if SANDBOX.available else 0)
+    assert len(report["notebooks"]) == 15 + (4 if SANDBOX.available else 0)
     assert report["sandbox"].startswith("sandbox: bubblewrap" if SANDBOX.available
                                         else "sandbox: OFF")
 
@@ -174,6 +192,12 @@ def test_calling_the_reference_scores_zero_direct_or_through_an_earlier_alias(gr
     messages = {e["grade_id"]: e["message"] for e in carol["exercises"]}
     assert messages == {"add_test": "this exercise must not call operator.add",   # static
                         "mul_test": "this exercise must not call operator.mul"}   # at run time
+
+
+def test_the_reference_guard_reaches_ranks_forked_by_launch(graded):
+    ringo = graded[1]["ringo"]
+    assert ringo["lab"] == "ring" and scores(ringo) == {"f_test": (0, "ForbiddenCall")}
+    assert ringo["exercises"][0]["message"] == "this exercise must not call torch.distributed.all_reduce"
 
 
 def test_edited_tests_replaced_and_deleted_tests_put_back(graded):
@@ -422,3 +446,17 @@ def test_kernel_runner_reports_every_code_cell_and_stores_outputs(tmp_path):
 def test_bad_usage_exits_2(args, capsys):
     assert cli(args) == 2
     assert "mgpu-lab grade:" in capsys.readouterr().err
+
+
+def test_find_submissions_layouts(tmp_path):
+    from mgpu_lab.course.classroom import find_submissions
+    for path in ("course/submitted/ann/ps1/lab.ipynb", "course/submitted/ben/ps1/x/y.ipynb",
+                 "course/submitted/ben/.ipynb_checkpoints/y-checkpoint.ipynb",
+                 "flat/cy.ipynb", "flat/dee/01 (1).ipynb"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("{}")
+    found = find_submissions([tmp_path / "course", tmp_path / "flat"])
+    assert [(s, p.name) for s, p in found] == [("ann", "lab.ipynb"), ("ben", "y.ipynb"),
+                                               ("cy", "cy.ipynb"), ("dee", "01 (1).ipynb")]
+    with pytest.raises(FileNotFoundError):
+        find_submissions([tmp_path / "nope"])

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -340,6 +341,9 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
             continue
         r = results.get(where[gid], {"error": "NotRun", "message": ""})
         calls = static.get(gid) or runtime.get(where[gid])
+        raised = re.search(guard.MESSAGE.format(r"([\w.]+)"), r.get("message") or "")
+        if not calls and raised:     # raised in a rank that launch() forked
+            calls = [raised.group(1)]
         if calls:
             error, message = "ForbiddenCall", guard.MESSAGE.format(", ".join(calls))
         else:

@@ -109,12 +109,15 @@ def readable_paths(package_dir: Path, hidden: List[str]) -> List[str]:
     checkout = package_dir.parent  # a source checkout around the package stays hidden
     if any((checkout / n).exists() for n in ("solutions", "labs", ".git", "pyproject.toml")):
         hidden = [*hidden, str(checkout)]
-    candidates = [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()]
-    candidates += [p for p in sys.path if p and os.path.isdir(p)]
+    prefixes = [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages()]
+    prefixes = [os.path.realpath(p) for p in prefixes]
+    candidates = prefixes + [os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)]
     paths = [p for p in SYSTEM_DIRS if os.path.exists(p)]
-    for p in map(os.path.realpath, candidates):
+    for p in candidates:
         if any(_inside(h, p) for h in hidden):
-            continue
+            continue  # it would show a hidden folder
+        if p not in prefixes and any(_inside(p, h) for h in hidden):
+            continue  # a script's folder or PYTHONPATH entry inside the checkout
         if os.path.isdir(p) and not any(_inside(p, q) for q in paths):
             paths = [q for q in paths if not _inside(q, p)] + [p]
     return paths + [str(package_dir)]
