@@ -20,6 +20,13 @@ import sys
 GUARD = '__import__("mgpu_lab.course.guard", fromlist=["guard"])'
 PLACEHOLDER = "# graded cell: the grader hands its source in when it runs"
 MESSAGE_LIMIT = 2000
+WAIT_CHILDREN = """import os as _os
+try:
+    while _os.waitpid(-1, _os.WNOHANG)[0]:
+        pass
+except ChildProcessError:
+    pass
+del _os"""
 
 
 def _protect() -> None:
@@ -31,7 +38,7 @@ def _protect() -> None:
         pass
 
 
-def _reap(kernel_pid) -> None:
+def _reap(kernel_pid) -> int:
     """Inside the sandbox's PID namespace: end every process a cell left behind
     (a fork bomb's children, ranks of a launch that hung), keeping ourselves,
     our ancestors (bwrap) and the kernel. Never called outside the sandbox."""
@@ -44,12 +51,15 @@ def _reap(kernel_pid) -> None:
         except (OSError, ValueError, IndexError):
             break
         keep.add(pid)
+    killed = 0
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) not in keep and int(entry) != 1:
             try:
                 os.kill(int(entry), signal.SIGKILL)
+                killed += 1
             except OSError:
                 pass
+    return killed
 
 
 def _kernel_pid(client):
@@ -97,8 +107,10 @@ def main() -> int:
     async def after(client, index, cell, result):
         if header.get("sandboxed"):
             pid = _kernel_pid(client)
-            if pid is not None:
-                _reap(pid)
+            if pid is not None and _reap(pid) and result.error != "DeadKernel":
+                # The kernel's dead children stay zombies (and count against the
+                # process limit) until it waits for them.
+                await silent(client, WAIT_CHILDREN)
         if result.error in ("Timeout", "DeadKernel"):
             return
         if index in graded and graded[index].get("forbidden"):
