@@ -9,8 +9,9 @@ import nbformat
 import pytest
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course import notebooks
-from mgpu_lab.course.notebooks import copy_labs, find_root, lab_id
+from mgpu_lab.course import layout
+from mgpu_lab.course.layout import copy_labs, find_root
+from mgpu_lab.course.notebooks import lab_id
 from conftest import ROOT
 
 TOY = Path(__file__).parent / "data" / "grader" / "solutions" / "toy.ipynb"
@@ -54,7 +55,7 @@ def test_labs_copy_from_the_checkout_never_overwrites(tmp_path, monkeypatch, cap
 
 def test_labs_copy_without_a_checkout_uses_the_installed_labs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(notebooks, "packaged_labs", lambda: ROOT / "labs")
+    monkeypatch.setattr(layout, "packaged_labs", lambda: ROOT / "labs")
     assert copy_labs(tmp_path / "learner") == sorted(p.name for p in (ROOT / "labs").glob("*.ipynb"))
 
 

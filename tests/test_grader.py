@@ -382,7 +382,7 @@ FROM_SCRATCH = {  # lab -> graded cells of from-scratch exercises (labs 00-04)
 def test_a_cheat_calling_the_reference_scores_zero_in_every_from_scratch_exercise(lab):
     """Each from-scratch exercise names its references; a solution calling one is caught,
     the instructor's solution is not."""
-    from mgpu_lab.course.grader import exercise_of, forbidden_of
+    from mgpu_lab.course.submission import exercise_of, forbidden_of
     from mgpu_lab.course.notebooks import BEGIN_SOLUTION, END_SOLUTION, graded_cells
     solution = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
     assert static_check(solution, solution) == {}

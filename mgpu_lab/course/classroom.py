@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import List, Tuple
 
 from .grader import NotebookGrade, brief, grade_notebook, load_solutions
-from .notebooks import course_dir, find_root
+from .layout import course_dir, find_root
 from .report import print_table, write_csv, write_feedback, write_json
 from .sandbox import Limits, probe
 

@@ -25,7 +25,6 @@ grader itself failed on a notebook; 2 on bad usage.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -43,8 +42,9 @@ import nbformat
 
 from . import guard
 from .notebooks import graded_cells, lab_id, nbgrader_meta
-from .runner import PLACEHOLDER
 from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
+from .submission import (Prepared, forbidden_of, prepare_submission,
+                         static_check)
 
 
 @dataclass
@@ -118,96 +118,6 @@ def match_lab(student, labs: Dict[str, nbformat.NotebookNode]):
     if wanted:
         return None, f"its lab id {wanted!r} names no lab in the solutions folder"
     return None, "no lab id and no graded cell of any lab: not a lab notebook?"
-
-
-# --- the submission as it will run -------------------------------------------
-
-def exercise_of(instructor) -> Dict[str, Optional[str]]:
-    """``{graded grade_id: grade_id of the nearest solution cell above it}``."""
-    out, last = {}, None
-    for cell in instructor.cells:
-        meta = nbgrader_meta(cell)
-        if meta.get("solution"):
-            last = meta.get("grade_id")
-        if meta.get("grade") and cell.cell_type == "code" and "grade_id" in meta:
-            out[meta["grade_id"]] = last
-    return out
-
-
-def forbidden_of(cell) -> List[str]:
-    return list((cell.metadata.get("mgpu_lab") or {}).get("reimplements") or [])
-
-
-@dataclass
-class Prepared:
-    nb: nbformat.NotebookNode              # graded cells' sources left out
-    graded: Dict[int, str]                 # cell index -> grade_id
-    missing: List[str]
-    notes: List[str]
-
-
-def prepare_submission(student, instructor) -> Prepared:
-    """The submission with the instructor's graded cells in place (sources left out)."""
-    tests, exercise = graded_cells(instructor), exercise_of(instructor)
-    cells, notes = [], []
-    for cell in student.cells:
-        cell = copy.deepcopy(cell)
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
-        cells.append(cell)
-    last = {}
-    for index, cell in enumerate(cells):
-        gid = nbgrader_meta(cell).get("grade_id")
-        if gid in tests and cell.cell_type == "code":
-            last.setdefault(gid, []).append(index)
-    for gid, where in last.items():
-        for index in where[:-1]:
-            cells[index] = nbformat.v4.new_markdown_cell(f"(a copy of graded cell {gid})")
-        if len(where) > 1:
-            notes.append(f"{gid}: graded cell duplicated; its last copy was graded")
-    missing = []
-    for gid in tests:
-        if gid in last:
-            continue
-        anchors = [i for i, c in enumerate(cells)
-                   if exercise[gid] and nbgrader_meta(c).get("grade_id") == exercise[gid]]
-        if not anchors:
-            missing.append(gid)
-            notes.append(f"{gid}: graded cell and its exercise deleted; scored 0")
-            continue
-        cells.insert(anchors[-1] + 1, nbformat.v4.new_code_cell(
-            "", metadata=copy.deepcopy(tests[gid].metadata)))
-        notes.append(f"{gid}: graded cell deleted; put back after its exercise")
-    graded = {}
-    for index, cell in enumerate(cells):
-        gid = nbgrader_meta(cell).get("grade_id")
-        if gid in tests and cell.cell_type == "code":
-            new = nbformat.v4.new_code_cell(PLACEHOLDER,
-                                            metadata=copy.deepcopy(tests[gid].metadata))
-            cells[index] = new
-            graded[index] = gid
-    nb = copy.deepcopy(student)
-    nb.cells = cells
-    return Prepared(nb, graded, missing, notes)
-
-
-def static_check(student, instructor) -> Dict[str, List[str]]:
-    """``{graded grade_id: forbidden references its solution cell names}``."""
-    tests, exercise = graded_cells(instructor), exercise_of(instructor)
-    sources = [c.source for c in student.cells if c.cell_type == "code"]
-    aliases = guard.import_aliases(sources)
-    found = {}
-    for gid, cell in tests.items():
-        forbidden = forbidden_of(cell)
-        if not forbidden or not exercise[gid]:
-            continue
-        hits = set()
-        for c in student.cells:
-            if c.cell_type == "code" and nbgrader_meta(c).get("grade_id") == exercise[gid]:
-                hits.update(guard.static_violations(c.source, forbidden, aliases))
-        if hits:
-            found[gid] = sorted(hits)
-    return found
 
 
 # --- running it --------------------------------------------------------------
