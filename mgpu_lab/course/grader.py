@@ -159,6 +159,8 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
         scratch = tempfile.TemporaryDirectory(prefix="mgpu-lab-grade-")
         cwd = env["HOME"] = scratch.name
         env = dict(os.environ, **{k: v for k, v in env.items() if k not in ("TMPDIR",)})
+        if os.environ.get("PYTHONPATH"):
+            env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
         for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
             env[k] = os.path.join(scratch.name, "." + k.lower())
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
