@@ -37,6 +37,7 @@ from typing import List, Optional
 WORK = "/sandbox/work"           # the submission's scratch folder, cwd and $HOME
 CGROUP_V1, CGROUP_V2 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup")
 SYSTEM_DIRS = ["/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc"]
+NEWER_OPTIONS = ["--disable-userns", "--size"]  # bubblewrap 0.8 and 0.6; used when there
 SECRETS = ["/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/sudoers.d", "/etc/ssh",
            "/etc/ssl/private"]
 
@@ -56,6 +57,7 @@ class Sandbox:
     bwrap: Optional[str] = None
     cgroup: Optional[str] = None   # "v1" / "v2" when the grader can make cgroups
     hidden: List[str] = field(default_factory=list)
+    options: List[str] = field(default_factory=list)  # of the newer ones, those bwrap knows
 
     def describe(self) -> str:
         if not self.available:
@@ -93,7 +95,10 @@ def probe(hidden: List[Path] = ()) -> Sandbox:
         why = out.stderr.strip().splitlines()[-1:] or [f"exit {out.returncode}"]
         return Sandbox(False, f"bwrap cannot make namespaces here ({why[0]}; "
                               "are user namespaces enabled?)")
-    return Sandbox(True, bwrap=exe, cgroup=_cgroup_kind(), hidden=[str(h) for h in hidden])
+    help_text = subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
+    options = [o for o in NEWER_OPTIONS if o in help_text]
+    return Sandbox(True, bwrap=exe, cgroup=_cgroup_kind(), hidden=[str(h) for h in hidden],
+                   options=options)
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -129,8 +134,9 @@ def command(box: Sandbox, argv: List[str], limits: Limits, package_dir: Path,
             env: dict) -> tuple:
     """``(argv, cleanup)``: ``argv`` wrapped in bwrap (and a cgroup), and what undoes it."""
     args = [box.bwrap, "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000",
-            "--cap-drop", "ALL", "--disable-userns", "--die-with-parent", "--new-session",
-            "--hostname", "sandbox"]
+            "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    if "--disable-userns" in box.options:
+        args.append("--disable-userns")
     for p in readable_paths(package_dir, box.hidden):
         args += ["--ro-bind", p, p]
         real = os.path.realpath(p)
@@ -146,7 +152,7 @@ def command(box: Sandbox, argv: List[str], limits: Limits, package_dir: Path,
     for dev in sorted(Path("/dev").glob("nvidia*")):
         args += ["--dev-bind", str(dev), str(dev)]
     for where in (WORK, "/tmp", "/dev/shm"):
-        args += ["--size", size, "--tmpfs", where]
+        args += (["--size", size] if "--size" in box.options else []) + ["--tmpfs", where]
     args += ["--remount-ro", "/", "--chdir", WORK, "--clearenv"]
     for k, v in env.items():
         args += ["--setenv", k, v]
