@@ -166,6 +166,10 @@ def test_exit_zero_and_every_notebook_reported(graded):
     assert len(report["notebooks"]) == 15 + (4 if SANDBOX.available else 0)
     assert report["sandbox"].startswith("sandbox: bubblewrap" if SANDBOX.available
                                         else "sandbox: OFF")
+    import os
+    left = [p for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids")
+            for p in Path(root).glob(f"mgpu-lab-grade-{os.getpid()}-*")]
+    assert left == [], "the sandboxes' cgroups must be removed"
 
 
 def test_renamed_notebook_matched_by_lab_id(graded):

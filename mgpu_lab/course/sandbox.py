@@ -189,12 +189,28 @@ def _make_cgroup(kind: str, limits: Limits):
         return None
 
 
-def remove_cgroups(folders) -> None:
+def remove_cgroups(folders, wait: float = 10.0) -> None:
+    """End what is left in the sandbox's cgroups, then remove them (retried: a cgroup
+    stays busy for a moment after its last process exits)."""
+    import signal
+    import time
+    end = time.monotonic() + wait
     for d in folders:
-        try:
-            d.rmdir()
-        except OSError:
-            pass  # still busy for a moment after the last process left; harmless
+        while True:
+            try:
+                for pid in (d / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except OSError:
+                        pass
+                d.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > end:
+                    break  # left for the system; empty cgroups cost nothing
+                time.sleep(0.05)
 
 
 def apply_rlimits(limits: Limits, cgroup: bool) -> None:
