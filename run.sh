@@ -62,6 +62,12 @@ case "$cmd" in
     ;;
   test)
     setup course,test
+    # The grader's sandbox (bubblewrap): install it when we can; its tests skip,
+    # saying why, where it is missing. Never fails the run.
+    if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      (apt-get install -y -qq bubblewrap >/dev/null 2>&1 ||
+        { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }) || true
+    fi
     # OMP threads: 2 processes per test on a 2-core machine; one thread each.
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     exec "$PY" -m pytest tests solutions \

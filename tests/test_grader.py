@@ -1,7 +1,11 @@
-"""The autograder on tiny fixture notebooks (tests/data/grader) and on lab 00.
+"""The autograder, as an instructor meets it: a class folder graded in one run.
 
-toy.ipynb has two exercises: add (2 points) and mul (3 points, with hidden
-tests). Each folder under submissions/ is one student's toy.ipynb.
+toy.ipynb (tests/data/grader/solutions) has two exercises: add (2 points, must
+not call operator.add) and mul (3 points, hidden tests, must not call
+operator.mul or math.prod). The class below is built from it: renamed files,
+a second lab-less notebook, cheats, and one notebook per failure a student can
+cause. Grading it takes one CLI run (--jobs 3: most notebooks wait on a time limit); lab 00's solution and lab are
+graded in another (sandboxed where bubblewrap works).
 """
 import csv
 import io
@@ -13,133 +17,421 @@ import nbformat
 import pytest
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course.grader import grade_notebook, prepare_submission
+from mgpu_lab.course import guard
+from mgpu_lab.course.grader import (ExerciseScore, NotebookGrade, brief, grade_notebook,
+                                    load_solutions, match_lab, prepare_submission,
+                                    static_check)
 from mgpu_lab.course.kernel import run_notebook
 from mgpu_lab.course.notebooks import make_lab
+from mgpu_lab.course.report import print_table
+from mgpu_lab.course.sandbox import Limits, Sandbox, probe
 from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"
+TOY = DATA / "solutions" / "toy.ipynb"
+SANDBOX = probe()
+ADD, MUL = "def add(a, b):\n    return a + b", "def mul(a, b):\n    return a * b"
+
+
+def toy(add=ADD, mul=MUL, first="import math", lab_id=True):
+    """A learner's toy notebook: the lab, with these sources in cells 1, 2 and 4."""
+    nb = make_lab(nbformat.read(TOY, as_version=4))
+    nb.cells[1].source, nb.cells[2].source, nb.cells[4].source = first, add, mul
+    if not lab_id:
+        del nb.metadata["mgpu_lab"]
+    return nb
+
+
+def write(nb, path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
+def scores(nb):
+    return {e["grade_id"]: (e["score"], e["error"]) for e in nb["exercises"]}
+
+
+HOSTILE = '''import importlib.util, os, pathlib
+pkg = pathlib.Path(importlib.util.find_spec("mgpu_lab").origin).resolve().parent  # = mgpu_lab.__file__
+stolen = []
+for folder in (pkg.parent / "solutions", pathlib.Path({solutions!r}), pathlib.Path({klass!r})):
+    try:
+        stolen += [p.read_text()[:10] for p in folder.rglob("*.ipynb")]
+    except OSError:
+        pass
+for target in {targets!r} + [str(pkg.parent / "solutions" / "pwned.txt"), str(pkg.parent / "pwned.txt")]:
+    try:
+        pathlib.Path(target).write_text("pwned")
+    except OSError:
+        pass'''
+
+
+def ring(solution: str):
+    """A one-exercise lab whose test launches 2 ranks: must not call dist.all_reduce."""
+    from nbformat.v4 import new_code_cell, new_notebook
+    return new_notebook(metadata={"mgpu_lab": {"lab": "ring"}}, cells=[
+        new_code_cell("import torch, torch.distributed as dist\nfrom mgpu_lab import launch\n"
+                      "ar = dist.all_reduce"),
+        new_code_cell(solution, metadata={"nbgrader": {"grade_id": "f", "solution": True}}),
+        new_code_cell("def check():\n    t = torch.ones(1)\n    dist.all_reduce(t)\n"
+                      "    return f(), t.item()\nassert launch(check, nprocs=2) == [(2.0, 2.0)] * 2",
+                      metadata={"nbgrader": {"grade_id": "f_test", "grade": True, "points": 1},
+                                "mgpu_lab": {"reimplements": ["torch.distributed.all_reduce"]}})])
+
+
+def build_class(tmp: Path, sandboxed: bool):
+    klass = tmp / "class"
+    write(ring("def f():\n    t = torch.ones(1)\n    ar(t)  # an alias made in another cell\n"
+               "    return t.item()"), klass / "ringo.ipynb")
+    write(toy(), klass / "alice" / "lab1.ipynb")                                  # renamed
+    write(toy(mul="def mul(a, b):\n    raise NotImplementedError()", lab_id=False),
+          klass / "bob" / "toy (1).ipynb")                                        # by grade ids
+    write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")]),
+          klass / "bob" / "notes.ipynb")                                          # no lab
+    write(toy(first="import math, operator\nm = operator.mul",                    # cheats
+              add="def add(a, b):\n    return operator.add(a, b)",
+              mul="def mul(a, b):\n    return m(a, b)"), klass / "carol.ipynb")
+    dave = toy()                                           # edited add_test, deleted mul_test
+    dave.cells[3].source = "pass  # no tests"
+    del dave.cells[5]
+    write(dave, klass / "dave.ipynb")
+    eve = toy()                                            # add_test duplicated above add
+    eve.cells.insert(1, nbformat.from_dict(dict(json.loads(json.dumps(eve.cells[3])), id="dup")))
+    write(eve, klass / "eve.ipynb")
+    frank = toy()                                          # mul moved below its test
+    frank.cells[4], frank.cells[5] = frank.cells[5], frank.cells[4]
+    write(frank, klass / "frank.ipynb")
+    for name, add in {
+        "loop": "def add(a, b):\n    while True:\n        pass",
+        "stubborn": ("def add(a, b):\n    while True:\n        try:\n            while True:\n"
+                     "                pass\n        except KeyboardInterrupt:\n            pass"),
+        "exit": "import sys\ndef add(a, b):\n    sys.exit(3)",
+        "osexit": "import os\ndef add(a, b):\n    os._exit(1)",
+        "segv": "import ctypes\ndef add(a, b):\n    return ctypes.string_at(0)",
+    }.items():
+        write(toy(add=add), klass / f"{name}.ipynb")
+    write(toy(first="import time\nfrom mgpu_lab import launch",       # a launch that hangs
+              add="def add(a, b):\n    return launch(time.sleep, nprocs=2, args=(600,))"),
+          klass / "hang.ipynb")
+    (klass / "broken.ipynb").write_text("{ not json")
+    if not sandboxed:
+        return klass, {}
+    outside = {"home": Path.home() / "mgpu_lab_pwned.txt",
+               "solutions": tmp / "course" / "solutions" / "pwned.txt",
+               "root": tmp / "course" / "pwned.txt", "class": klass / "pwned.txt",
+               "tmp": Path("/tmp") / f"mgpu_lab_pwned_{tmp.name}.txt"}
+    hostile = HOSTILE.format(solutions=str(tmp / "course" / "solutions"), klass=str(klass),
+                             targets=[str(p) for p in outside.values()])
+    write(toy(first=hostile, add="def add(a, b):\n    return a + b if not stolen else -1"),
+          klass / "mallory.ipynb")
+    write(toy(first="import socket",
+              add=("def add(a, b):\n    socket.create_connection(('1.1.1.1', 80), timeout=3)\n"
+                   "    return a + b"),
+              mul=("def mul(a, b):\n    server = socket.create_server(('127.0.0.1', 0))\n"
+                   "    socket.create_connection(server.getsockname(), timeout=3).close()\n"
+                   "    return a * b")), klass / "netcat.ipynb")
+    write(toy(first="import os, time",
+              add=("def add(a, b):\n    while True:\n        if os.fork() == 0:\n"
+                   "            time.sleep(600)\n            os._exit(0)")), klass / "forker.ipynb")
+    write(toy(add="def add(a, b):\n    hog = bytearray(64 * 2**30)\n    return a + b"),
+          klass / "hog.ipynb")
+    return klass, outside
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """Grade every fixture submission (and the untouched lab) in one CLI run."""
     tmp = tmp_path_factory.mktemp("grade")
-    shutil.copytree(DATA / "submissions", tmp / "submissions")
-    (tmp / "submissions" / "zero").mkdir()
-    lab = make_lab(nbformat.read(DATA / "solutions" / "toy.ipynb", as_version=4))
-    nbformat.write(lab, tmp / "submissions" / "zero" / "toy.ipynb")
-    code = cli(["grade", str(tmp / "submissions"), "--solutions", str(DATA / "solutions"),
-                "--timeout", "3", "--json", str(tmp / "g.json"), "--csv", str(tmp / "g.csv")])
+    (tmp / "course" / "solutions").mkdir(parents=True)
+    shutil.copy(TOY, tmp / "course" / "solutions" / "toy.ipynb")
+    write(ring("def f():\n    t = torch.ones(1)\n    out = [torch.zeros(1), torch.zeros(1)]\n"
+               "    dist.all_gather(out, t)\n    return sum(out).item()"),
+          tmp / "course" / "solutions" / "ring.ipynb")
+    klass, outside = build_class(tmp, SANDBOX.available)
+    out = tmp / "out"
+    code = cli(["grade", str(klass), "--root", str(tmp / "course"), "--timeout", "10",
+                "--jobs", "3", "--memory", "2", "--quiet", "--json", str(tmp / "g.json"),
+                "--csv", str(tmp / "g.csv"), "--feedback", str(out)])
     report = json.loads((tmp / "g.json").read_text())
-    by_name = {Path(nb["path"]).parent.name: nb for nb in report["notebooks"]}
+    by_name = {nb["student"]: nb for nb in report["notebooks"] if nb["lab"] or nb["error"]}
+    by_name["bob/notes"] = next(nb for nb in report["notebooks"] if nb["path"].endswith("notes.ipynb"))
+    by_name["bob"] = next(nb for nb in report["notebooks"] if nb["path"].endswith("toy (1).ipynb"))
     with open(tmp / "g.csv", newline="") as f:
-        rows = {Path(r["path"]).parent.name: r for r in csv.DictReader(f)}
-    return code, by_name, rows
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    return code, by_name, rows, out, outside, report
 
 
-def scores(nb):
-    return {e["grade_id"]: (e["score"], e["max_score"], e["error"]) for e in nb["exercises"]}
-
-
-def test_exit_zero_even_when_submissions_fail(graded):
-    code, by_name, _ = graded
+def test_exit_zero_and_every_notebook_reported(graded):
+    code, by_name, _, _, _, report = graded
     assert code == 0
-    assert set(by_name) == {"full", "zero", "partial", "loop", "stubborn", "crash", "edited"}
+    assert len(report["notebooks"]) == 15 + (4 if SANDBOX.available else 0)
+    assert report["sandbox"].startswith("sandbox: bubblewrap" if SANDBOX.available
+                                        else "sandbox: OFF")
+    import os
+    left = [p for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids")
+            for p in Path(root).glob(f"mgpu-lab-grade-{os.getpid()}-*")]
+    assert left == [], "the sandboxes' cgroups must be removed"
 
 
-def test_full_marks(graded):
-    nb = graded[1]["full"]
-    assert (nb["score"], nb["max_score"]) == (5, 5)
-    assert scores(nb) == {"add_test": (2, 2, None), "mul_test": (3, 3, None)}
+def test_renamed_notebook_matched_by_lab_id(graded):
+    alice = graded[1]["alice"]
+    assert (alice["lab"], alice["score"], alice["max_score"]) == ("toy", 5, 5)
+    assert alice["notes"] == []
 
 
-def test_untouched_lab_scores_zero_everywhere(graded):
-    assert scores(graded[1]["zero"]) == {"add_test": (0, 2, "NotImplementedError"),
-                                         "mul_test": (0, 3, "NotImplementedError")}
+def test_without_lab_id_matched_by_graded_cell_ids(graded):
+    bob = graded[1]["bob"]
+    assert bob["lab"] == "toy" and scores(bob) == {"add_test": (2, None),
+                                                   "mul_test": (0, "NotImplementedError")}
+    assert "matched by its graded cell ids" in bob["notes"]
 
 
-def test_one_exercise_solved_scores_exactly_its_points(graded):
-    nb = graded[1]["partial"]
-    assert nb["score"] == 2
-    assert scores(nb) == {"add_test": (2, 2, None), "mul_test": (0, 3, "NotImplementedError")}
+def test_notebook_of_no_lab_gets_a_line_and_the_run_goes_on(graded):
+    notes = graded[1]["bob/notes"]
+    assert notes["lab"] is None and notes["error"].startswith("NoLab")
+
+
+def test_calling_the_reference_scores_zero_direct_or_through_an_earlier_alias(graded):
+    carol = graded[1]["carol"]
+    assert scores(carol) == {"add_test": (0, "ForbiddenCall"), "mul_test": (0, "ForbiddenCall")}
+    messages = {e["grade_id"]: e["message"] for e in carol["exercises"]}
+    assert messages == {"add_test": "this exercise must not call operator.add",   # static
+                        "mul_test": "this exercise must not call operator.mul"}   # at run time
+
+
+def test_the_reference_guard_reaches_ranks_forked_by_launch(graded):
+    ringo = graded[1]["ringo"]
+    assert ringo["lab"] == "ring" and scores(ringo) == {"f_test": (0, "ForbiddenCall")}
+    assert ringo["exercises"][0]["message"] == "this exercise must not call torch.distributed.all_reduce"
+
+
+def test_edited_tests_replaced_and_deleted_tests_put_back(graded):
+    dave = graded[1]["dave"]
+    assert scores(dave) == {"add_test": (2, None), "mul_test": (3, None)}
+    assert "mul_test: graded cell deleted; put back after its exercise" in dave["notes"]
+
+
+def test_duplicated_test_graded_once_reordered_cells_cost_their_exercise(graded):
+    eve, frank = graded[1]["eve"], graded[1]["frank"]
+    assert scores(eve) == {"add_test": (2, None), "mul_test": (3, None)}
+    assert any("duplicated" in n for n in eve["notes"])
+    assert scores(frank) == {"add_test": (2, None), "mul_test": (0, "NameError")}
 
 
 @pytest.mark.parametrize("name, error", [
-    ("loop", "Timeout"),          # while True: interrupted after --timeout 3
+    ("loop", "Timeout"),          # while True: interrupted after --timeout
     ("stubborn", "Timeout"),      # swallows KeyboardInterrupt: kernel killed, state replayed
-    ("crash", "DeadKernel"),      # os._exit(1): kernel restarted, state replayed
+    ("exit", "SystemExit"),       # sys.exit() in the exercise
+    ("osexit", "DeadKernel"),     # os._exit(1): kernel restarted, state replayed
+    ("segv", "DeadKernel"),       # a crash by signal
+    ("hang", "Timeout"),          # a launch() whose ranks never end
 ])
 def test_a_hang_or_crash_costs_that_exercise_only(graded, name, error):
     nb = graded[1][name]
-    assert scores(nb) == {"add_test": (0, 2, error), "mul_test": (3, 3, None)}
-    assert nb["seconds"] < 60
+    assert scores(nb) == {"add_test": (0, error), "mul_test": (3, None)}, nb
+    assert nb["seconds"] < 90
 
 
-def test_edited_or_deleted_tests_do_not_help(graded):
-    assert scores(graded[1]["edited"]) == {"add_test": (0, 2, "AssertionError"),
-                                           "mul_test": (0, 3, "Missing")}
+def test_unreadable_notebook_is_reported(graded):
+    assert graded[1]["broken"]["error"].startswith("UnreadableNotebook")
 
 
-def test_csv_has_one_row_per_notebook(graded):
+def test_csv_one_row_per_student_a_column_per_lab_and_exercise(graded):
     rows = graded[2]
-    assert len(rows) == 7
-    assert rows["partial"]["score"] == "2.0" and rows["partial"]["max_score"] == "5.0"
-    assert rows["partial"]["toy:add_test"] == "2.0" and rows["partial"]["toy:mul_test"] == "0.0"
-    assert rows["full"]["score"] == "5.0"
+    assert rows["bob"]["toy"] == "2.0" and rows["bob"]["toy:add_test"] == "2.0"
+    assert rows["bob"]["toy:mul_test"] == "0.0" and rows["bob"]["max_total"] == "5.0"
+    assert rows["alice"]["total"] == "5.0"
+    columns = list(rows["alice"])
+    assert columns[:3] == ["student", "total", "max_total"]
+    assert columns[columns.index("toy"):][:3] == ["toy", "toy:add_test", "toy:mul_test"]
+    assert rows["ringo"]["ring"] == "0.0" and rows["ringo"]["toy"] == ""
 
 
-def test_instructor_tests_replace_the_students():
-    student = nbformat.read(DATA / "submissions" / "edited" / "toy.ipynb", as_version=4)
-    instructor = nbformat.read(DATA / "solutions" / "toy.ipynb", as_version=4)
-    nb, missing = prepare_submission(student, instructor)
-    assert missing == ["mul_test"]
-    add_test = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == "add_test"]
-    assert [c.source for c in add_test] == [instructor.cells[3].source]
-    assert student.cells[3].source.startswith("pass")  # the input is not modified
+def test_feedback_per_student_and_lab_without_hidden_tests(graded):
+    out = graded[3]
+    text = (out / "frank" / "toy.md").read_text()
+    assert "| mul_test | 0 / 3 | NameError: name 'mul' is not defined |" in text
+    every = "".join(p.read_text() for p in out.rglob("*.md"))
+    assert "mul(-1, 4)" not in every and "BEGIN HIDDEN" not in every
+    assert (out / "carol" / "toy.md").exists() and (out / "bob" / "toy.md").exists()
 
 
-def test_unknown_and_unreadable_notebooks_score_zero(tmp_path):
-    (tmp_path / "other.ipynb").write_text("{}")
-    other = grade_notebook(tmp_path / "other.ipynb", DATA / "solutions", progress=False)
-    assert other.error.startswith("NoSolution") and other.max_score == 0
-    (tmp_path / "toy.ipynb").write_text("not a notebook")
-    broken = grade_notebook(tmp_path / "toy.ipynb", DATA / "solutions", progress=False)
-    assert broken.error.startswith("UnreadableNotebook")
-    assert [(e.score, e.max_score) for e in broken.exercises] == [(0, 2), (0, 3)]
+def sandboxed(test):
+    reason = f"no sandbox here: {SANDBOX.reason}"
+    return pytest.mark.skipif(not SANDBOX.available, reason=reason)(test)
 
 
-@pytest.mark.parametrize("args", [
-    ["grade", "no/such/notebook.ipynb"],
-    ["grade", str(DATA / "submissions" / "full"), "--timeout", "0"],
-    ["grade", str(DATA / "submissions" / "full"), "--solutions", "no/such/dir"],
-])
-def test_bad_usage_exits_2(args, capsys):
-    assert cli(args) == 2
-    assert "mgpu-lab grade:" in capsys.readouterr().err
+@sandboxed
+def test_sandbox_nothing_read_nothing_written_correct_score(graded):
+    _, by_name, _, _, outside, _ = graded
+    assert scores(by_name["mallory"]) == {"add_test": (2, None), "mul_test": (3, None)}
+    assert [p for p in outside.values() if p.exists()] == []
+    assert not (ROOT / "pwned.txt").exists() and not (ROOT / "solutions" / "pwned.txt").exists()
 
 
-def test_lab00_solution_full_marks_and_lab_zero(tmp_path):
-    """The real lab 00: the solution scores full marks, the untouched lab 0 on every exercise."""
-    solution = grade_notebook(ROOT / "solutions" / "00_setup.ipynb", progress=False)
-    assert solution.error is None and solution.max_score > 0
-    assert solution.score == solution.max_score, solution.exercises
-    lab = grade_notebook(ROOT / "labs" / "00_setup.ipynb", progress=False)
-    assert [e.grade_id for e in lab.exercises] == [e.grade_id for e in solution.exercises]
-    assert all(e.score == 0 and e.error for e in lab.exercises), lab.exercises
+@sandboxed
+def test_sandbox_loopback_only(graded):
+    netcat = graded[1]["netcat"]
+    assert scores(netcat) == {"add_test": (0, "OSError"), "mul_test": (3, None)}
+    assert "unreachable" in netcat["exercises"][0]["message"]
+
+
+@sandboxed
+def test_sandbox_fork_bomb_and_memory_hog_cost_that_exercise_only(graded):
+    forker = scores(graded[1]["forker"])   # forks until the sandbox's process limit (or --timeout)
+    assert forker["add_test"] in [(0, "BlockingIOError"), (0, "Timeout")] and forker["mul_test"] == (3, None)
+    assert scores(graded[1]["hog"]) == {"add_test": (0, "MemoryError"), "mul_test": (3, None)}
+
+
+def test_lab00_solution_full_marks_and_lab_zero_in_the_sandbox(tmp_path, capsys):
+    """The real lab 00, renamed: the solution scores full marks, the untouched lab 0."""
+    shutil.copy(ROOT / "solutions" / "00_setup.ipynb", tmp_path / "teacher.ipynb")
+    shutil.copy(ROOT / "labs" / "00_setup.ipynb", tmp_path / "blank.ipynb")
+    assert cli(["grade", str(tmp_path), "--root", str(ROOT), "--jobs", "2", "--quiet",
+                "--json", str(tmp_path / "g.json")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("sandbox: bubblewrap" if SANDBOX.available else "sandbox: OFF")
+    grades = {nb["student"]: nb for nb in json.loads((tmp_path / "g.json").read_text())["notebooks"]}
+    solution, lab = grades["teacher"], grades["blank"]
+    assert solution["lab"] == lab["lab"] == "00_setup" and solution["max_score"] > 0
+    assert solution["score"] == solution["max_score"], solution["exercises"]
+    assert [e["grade_id"] for e in lab["exercises"]] == [e["grade_id"] for e in solution["exercises"]]
+    assert all(e["score"] == 0 and e["error"] for e in lab["exercises"]), lab["exercises"]
+
+
+def test_require_sandbox_is_an_error_without_one(monkeypatch, capsys):
+    import mgpu_lab.course.classroom as classroom
+    monkeypatch.setattr(classroom, "probe", lambda hidden=(): Sandbox(False, "bwrap not found"))
+    assert cli(["grade", str(TOY), "--solutions", str(DATA / "solutions"),
+                "--require-sandbox"]) == 2
+    out = capsys.readouterr()
+    assert out.out.splitlines()[0].startswith("sandbox: OFF (bwrap not found)")
+    assert "--require-sandbox" in out.err
+
+
+# --- the pieces, without kernels -----------------------------------------------
+
+def test_match_by_lab_id_then_grade_ids_never_file_name():
+    labs = load_solutions(DATA / "solutions")
+    assert match_lab(toy(), labs) == ("toy", "lab id")
+    assert match_lab(toy(lab_id=False), labs) == ("toy", "graded cell ids")
+    other = toy()
+    other.metadata["mgpu_lab"]["lab"] = "99_nope"
+    assert match_lab(other, labs) == ("toy", "graded cell ids")
+    lost = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    assert match_lab(lost, labs)[0] is None
+
+
+def test_prepare_submission_uses_the_instructors_cells_without_their_source():
+    instructor = nbformat.read(TOY, as_version=4)
+    student = toy()
+    student.cells[3].source = "pass"
+    del student.cells[5]
+    prepared = prepare_submission(student, instructor)
+    assert prepared.missing == [] and sorted(prepared.graded.values()) == ["add_test", "mul_test"]
+    text = nbformat.writes(prepared.nb)
+    assert "mul(-1, 4)" not in text and "assert add" not in text   # sources come one at a time
+    assert student.cells[3].source == "pass"                       # the input is not modified
+    gone = toy()
+    del gone.cells[4:6]                                            # exercise and test deleted
+    assert prepare_submission(gone, instructor).missing == ["mul_test"]
+
+
+def test_static_check_resolves_import_aliases_and_tensor_methods():
+    aliases = guard.import_aliases(["import torch.distributed as d\nfrom mgpu_lab import scatter as sc"])
+    src = "def f(x):\n    sc(x)\n    x.chunk(2)\n    d.all_reduce(x)\n    torch.nn.parallel.scatter_gather.scatter"
+    forbidden = ["mgpu_lab.scatter", "torch.Tensor.chunk", "torch.distributed.all_reduce",
+                 "torch.nn.parallel.scatter"]
+    assert guard.static_violations(src, forbidden, dict(aliases, torch="torch")) == sorted(forbidden)
+    assert guard.static_violations("def f(x):\n    return x[:2]", forbidden, aliases) == []
+
+
+def test_runtime_guard_catches_aliases_in_globals_and_closures():
+    import linecache
+    import statistics
+    ns = {"statistics": statistics}
+
+    def cell(src, name):
+        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        exec(compile(src, name, "exec"), ns)
+
+    cell("f = statistics.median\ndef mine(xs):\n    return f(xs)\n"
+         "def make():\n    g = statistics.median\n    return lambda xs: g(xs)\nhidden = make()",
+         "<student>")
+    test = "assert statistics.median([1, 2, 3]) == 2"
+    assert guard.install(["statistics.median"], [test], ns,
+                         extra_cells=["<student>", "<test>"]) == ["statistics.median"]
+    try:
+        cell(test, "<test>")                                   # the instructor may call it
+        for call in ("mine([1])", "hidden([1])"):              # the learner may not
+            with pytest.raises(guard.ForbiddenCall, match="must not call statistics.median"):
+                cell(call, "<student>")
+    finally:
+        assert guard.uninstall() == ["statistics.median"]
+    cell("assert mine([1, 2, 3]) == 2 and hidden([5]) == 5", "<student>")  # restored
+
+
+FROM_SCRATCH = {  # lab -> graded cells of from-scratch exercises (labs 00-04)
+    "00_setup": ["rank_slice_test"],
+    "01_data_parallel": ["my_scatter_test", "my_replicate_test", "my_parallel_apply_test",
+                         "my_data_parallel_test"],
+    "02_balanced_criterion": ["parallel_forward_test", "combine_losses_test",
+                              "parallel_criterion_test"],
+    "03_ddp_and_launching": ["ex1_shard_indices_test", "ex4_sync_batch_stats_test"],
+    "04_ring_allreduce_and_ddp": ["ex1_bytes_test", "ex2_ring_test", "ex3_naive_sync_test",
+                                  "ex4_buckets_test", "ex5_bucketed_test"],
+}
+
+
+@pytest.mark.parametrize("lab", sorted(FROM_SCRATCH))
+def test_a_cheat_calling_the_reference_scores_zero_in_every_from_scratch_exercise(lab):
+    """Each from-scratch exercise names its references; a solution calling one is caught,
+    the instructor's solution is not."""
+    from mgpu_lab.course.submission import exercise_of, forbidden_of
+    from mgpu_lab.course.notebooks import BEGIN_SOLUTION, END_SOLUTION, graded_cells
+    solution = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    assert static_check(solution, solution) == {}
+    tests, exercise = graded_cells(solution), exercise_of(solution)
+    for gid in FROM_SCRATCH[lab]:
+        names = forbidden_of(tests[gid])
+        assert names, f"{lab} {gid}: no metadata mgpu_lab.reimplements"
+        for name in names:
+            cheat = nbformat.from_dict(json.loads(json.dumps(solution)))
+            cell = next(c for c in cheat.cells
+                        if c.metadata.get("nbgrader", {}).get("grade_id") == exercise[gid])
+            head, rest = cell.source.split(BEGIN_SOLUTION, 1)
+            indent = head[head.rfind("\n") + 1:]
+            call = (f"x.{name.rsplit('.', 1)[1]}(2)" if name.startswith("torch.Tensor.")
+                    else f"{name}()")
+            cell.source = head + f"return {call}\n" + indent + rest.split(END_SOLUTION, 1)[1]
+            assert name in static_check(cheat, solution).get(gid, []), (lab, gid, cell.source)
+
+
+def test_report_names_the_cause_inside_a_launch_error_and_totals():
+    launch_error = ("rank 1 failed (then rank(s) [0] failed too):\nTraceback (most recent call last):\n"
+                    "  File \"launch.py\", line 249, in _worker\n    value = fn(*args)\nNotImplementedError\n")
+    assert brief(launch_error) == "rank 1 failed (then rank(s) [0] failed too): ... NotImplementedError"
+    assert brief("x" * 300).endswith("...") and len(brief("x" * 300)) == 200
+    grades = [NotebookGrade("a/00.ipynb", "00.ipynb", "a", "00", [ExerciseScore(
+                  "t", 0.0, 2.0, "LaunchError", brief(launch_error))]),
+              NotebookGrade("a/01.ipynb", "01.ipynb", "a", "01", [ExerciseScore("u", 3.0, 3.0)])]
+    out = io.StringIO()
+    print_table(grades, "sandbox: OFF (test)", file=out)
+    assert "LaunchError: rank 1 failed" in out.getvalue()
+    assert "total: 3/5 over 2 notebooks, 1 students" in out.getvalue()
 
 
 def test_total_timeout_bounds_the_notebook():
-    grade = grade_notebook(DATA / "submissions" / "loop" / "toy.ipynb", DATA / "solutions",
-                           timeout=60, total_timeout=3, progress=False)
+    labs = load_solutions(DATA / "solutions")
+    grade = grade_notebook(DATA / "submissions" / "loop" / "toy.ipynb", labs, "loop",
+                           Sandbox(False, "test"), Limits(), timeout=60, total_timeout=3)
     assert [(e.grade_id, e.score, e.error) for e in grade.exercises] == [
         ("add_test", 0, "Timeout"), ("mul_test", 0, "TotalTimeout")]
-    assert grade.seconds < 30
+    assert grade.seconds < 40
 
 
 def test_kernel_runner_reports_every_code_cell_and_stores_outputs(tmp_path):
     """mgpu_lab.course.kernel.run_notebook, shared by grade, labs execute and tour."""
-    nb = nbformat.read(DATA / "solutions" / "toy.ipynb", as_version=4)
+    nb = nbformat.read(TOY, as_version=4)
     nb.cells[1].source = "import os\nprint(os.getcwd())"
     nb.cells[4].source = "raise ValueError('expected')"
     nb.cells[4].metadata["tags"] = ["raises-exception"]
@@ -151,16 +443,26 @@ def test_kernel_runner_reports_every_code_cell_and_stores_outputs(tmp_path):
     assert nb.cells[3].outputs[0]["text"] == "add passed\n"
 
 
-def test_report_names_the_cause_inside_a_launch_error_and_totals():
-    from mgpu_lab.course.grader import ExerciseScore, NotebookGrade, brief, print_report
-    launch_error = ("rank 1 failed (then rank(s) [0] failed too):\nTraceback (most recent call last):\n"
-                    "  File \"launch.py\", line 249, in _worker\n    value = fn(*args)\nNotImplementedError\n")
-    assert brief(launch_error) == "rank 1 failed (then rank(s) [0] failed too): ... NotImplementedError"
-    assert brief("x" * 300).endswith("...") and len(brief("x" * 300)) == 200
-    grades = [NotebookGrade("a/00.ipynb", "00.ipynb", [ExerciseScore("t", 0.0, 2.0, "LaunchError",
-                                                                     brief(launch_error))]),
-              NotebookGrade("a/01.ipynb", "01.ipynb", [ExerciseScore("u", 3.0, 3.0)])]
-    out = io.StringIO()
-    print_report(grades, file=out)
-    assert "LaunchError: rank 1 failed" in out.getvalue()
-    assert out.getvalue().rstrip().endswith("total: 3/5 over 2 notebooks")
+@pytest.mark.parametrize("args", [
+    ["grade", "no/such/notebook.ipynb", "--solutions", str(DATA / "solutions")],
+    ["grade", str(DATA / "submissions" / "full"), "--timeout", "0"],
+    ["grade", str(DATA / "submissions" / "full"), "--solutions", "no/such/dir"],
+    ["grade", str(DATA / "submissions" / "full"), "--jobs", "0"],
+])
+def test_bad_usage_exits_2(args, capsys):
+    assert cli(args) == 2
+    assert "mgpu-lab grade:" in capsys.readouterr().err
+
+
+def test_find_submissions_layouts(tmp_path):
+    from mgpu_lab.course.classroom import find_submissions
+    for path in ("course/submitted/ann/ps1/lab.ipynb", "course/submitted/ben/ps1/x/y.ipynb",
+                 "course/submitted/ben/.ipynb_checkpoints/y-checkpoint.ipynb",
+                 "flat/cy.ipynb", "flat/dee/01 (1).ipynb"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("{}")
+    found = find_submissions([tmp_path / "course", tmp_path / "flat"])
+    assert [(s, p.name) for s, p in found] == [("ann", "lab.ipynb"), ("ben", "y.ipynb"),
+                                               ("cy", "cy.ipynb"), ("dee", "01 (1).ipynb")]
+    with pytest.raises(FileNotFoundError):
+        find_submissions([tmp_path / "nope"])

@@ -1,46 +1,50 @@
-"""The autograder: run each submitted notebook in a fresh kernel and score it.
+"""The autograder: score a class's notebooks, each in a sandboxed fresh kernel.
 
-    mgpu-lab grade PATH... [--json FILE] [--csv FILE] [--timeout SECONDS]
-                           [--total-timeout SECONDS] [--solutions DIR]
+    mgpu-lab grade PATH... [--root DIR | --solutions DIR] [--json FILE] [--csv FILE]
+                   [--feedback DIR] [--jobs N] [--timeout S] [--total-timeout S]
+                   [--require-sandbox | --no-sandbox] [--memory GIB]
 
-PATH is a notebook or a folder (searched recursively for ``*.ipynb``). The
-instructor's copy is the solution notebook with the same file name in
-``--solutions`` (default: ``solutions/`` of this checkout). Before running, each
-graded test cell of the submission (matched by nbgrader ``grade_id``) is
-replaced by the instructor's cell, hidden tests included, so editing a test
-away changes nothing; a graded cell the student deleted scores 0 ("Missing").
-A graded cell scores its points when it runs without an error, else 0.
+PATH is a notebook, or a class folder: ``DIR/<student>/**/*.ipynb`` (so
+nbgrader's ``submitted/<student>/<lab>/`` too) and flat ``DIR/*.ipynb`` (the
+student is the file's stem). A submission is matched to its lab by the lab id
+that ``labs build`` writes into every notebook (``metadata.mgpu_lab.lab``), or
+else by its graded cells' ids, never by file name; one that matches no lab gets
+a line in the report and the run goes on.
 
-Limits, so that one bad submission never costs the run:
-
-- each cell has ``--timeout`` seconds; then the kernel is interrupted (the cell
-  scores 0, "Timeout") and, if it does not answer within a few seconds, killed;
-- when the kernel dies (``os._exit``, a segfault, out of memory) or was killed,
-  a fresh kernel re-runs every earlier cell once (except cells that hung or
-  crashed) to rebuild the state, and grading goes on after the bad cell; after
-  3 restarts (``kernel.MAX_RESTARTS``) the rest of the notebook scores 0;
-- ``--total-timeout`` bounds the whole notebook; cells past it score 0.
-
-(The kernel runner with these limits is :mod:`mgpu_lab.course.kernel`.)
-
-The exit status is 0 even when submissions fail; 2 means bad usage. Student
-code runs with your permissions: grade in a container or a throwaway account.
+Before running, every graded cell is the instructor's (hidden tests included):
+an edited one is replaced, a duplicated one runs once (its last copy), a deleted
+one is put back after its exercise (scored 0, "Missing", when the exercise is
+gone too). A graded cell scores its points when it raises nothing and, for a
+from-scratch exercise, its solution calls none of the references it
+re-implements (:mod:`mgpu_lab.course.guard`). Cells have ``--timeout`` seconds,
+the notebook ``--total-timeout``; a dead kernel is restarted and the earlier
+cells replayed (:mod:`mgpu_lab.course.kernel`). Everything runs in a sandbox
+(:mod:`mgpu_lab.course.sandbox`) where bubblewrap can make one; the first line
+says whether it did. The exit status is 0 whatever the scores; 1 when the
+grader itself failed on a notebook; 2 on bad usage.
 """
 from __future__ import annotations
 
-import copy
-import csv
 import json
+import os
+import re
+import select
+import subprocess
 import sys
+import tempfile
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import monotonic
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import nbformat
 
-from .kernel import run_notebook
-from .notebooks import SOLUTIONS_DIR, graded_cells, nbgrader_meta
+from . import guard
+from .notebooks import graded_cells, lab_id, nbgrader_meta
+from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
+from .submission import (Prepared, forbidden_of, prepare_submission,
+                         static_check)
 
 
 @dataclass
@@ -56,9 +60,13 @@ class ExerciseScore:
 class NotebookGrade:
     path: str
     notebook: str
+    student: str = ""
+    lab: Optional[str] = None
     exercises: List[ExerciseScore] = field(default_factory=list)
     seconds: float = 0.0
-    error: Optional[str] = None
+    error: Optional[str] = None            # the notebook could not be graded at all
+    notes: List[str] = field(default_factory=list)
+    sandboxed: bool = False
 
     @property
     def score(self) -> float:
@@ -72,60 +80,6 @@ class NotebookGrade:
         return dict(asdict(self), score=self.score, max_score=self.max_score)
 
 
-def prepare_submission(student, instructor):
-    """The submission with the instructor's graded cells; and the missing ids."""
-    tests = graded_cells(instructor)
-    nb, seen = copy.deepcopy(student), set()
-    for index, cell in enumerate(nb.cells):
-        gid = nbgrader_meta(cell).get("grade_id")
-        if gid in tests:
-            new = nbformat.v4.new_code_cell(tests[gid].source,
-                                            metadata=copy.deepcopy(tests[gid].metadata))
-            if "id" in cell:
-                new["id"] = cell["id"]
-            nb.cells[index] = new
-            seen.add(gid)
-    return nb, [gid for gid in tests if gid not in seen]
-
-
-def grade_notebook(path, solutions=SOLUTIONS_DIR, timeout: float = 120.0,
-                   total_timeout: Optional[float] = 1800.0, progress: bool = True) -> NotebookGrade:
-    """Score one submission against ``solutions/<same file name>``."""
-    path, start = Path(path), monotonic()
-    grade = NotebookGrade(str(path), path.name)
-    source = Path(solutions) / path.name
-    if not source.is_file():
-        grade.error = f"NoSolution: no {source}"
-        return grade
-    instructor = nbformat.read(source, as_version=4)
-    tests = graded_cells(instructor)
-    try:
-        student = nbformat.read(path, as_version=4)
-    except Exception as err:  # not JSON, not a notebook: every exercise scores 0
-        grade.error = f"UnreadableNotebook: {err}"
-        grade.exercises = [ExerciseScore(g, 0.0, float(nbgrader_meta(c)["points"]), "NotRun")
-                           for g, c in tests.items()]
-        return grade
-    nb, missing = prepare_submission(student, instructor)
-    results = {r.index: r for r in run_notebook(nb, path.parent, timeout, total_timeout,
-                                                desc=f"{path.parent.name}/{path.name}",
-                                                progress=progress)}
-    first = {}
-    for index, cell in enumerate(nb.cells):
-        first.setdefault(nbgrader_meta(cell).get("grade_id"), index)
-    for gid, cell in tests.items():
-        points = float(nbgrader_meta(cell)["points"])
-        if gid in missing:
-            grade.exercises.append(ExerciseScore(gid, 0.0, points, "Missing",
-                                                 "the graded cell was deleted"))
-            continue
-        r = results[first[gid]]
-        grade.exercises.append(ExerciseScore(gid, 0.0 if r.error else points, points,
-                                             r.error, brief(r.message)))
-    grade.seconds = round(monotonic() - start, 2)
-    return grade
-
-
 def brief(message: str, limit: int = 200) -> str:
     """One line for a report: the first line, and the last when there are more.
 
@@ -137,91 +91,181 @@ def brief(message: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def find_notebooks(paths) -> List[Path]:
-    found = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found += sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
-        elif p.is_file():
-            found.append(p)
+# --- which lab is this? -----------------------------------------------------
+
+def load_solutions(solutions) -> Dict[str, nbformat.NotebookNode]:
+    """``{lab id: instructor notebook}`` for every notebook in ``solutions``."""
+    labs = {}
+    for path in sorted(Path(solutions).glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        labs[lab_id(nb) or path.stem] = nb
+    return labs
+
+
+def _grade_ids(nb) -> set:
+    return {nbgrader_meta(c).get("grade_id") for c in nb.cells} - {None}
+
+
+def match_lab(student, labs: Dict[str, nbformat.NotebookNode]):
+    """``(lab id, how)`` or ``(None, why not)``: by metadata, else by grade ids."""
+    wanted = lab_id(student)
+    if wanted in labs:
+        return wanted, "lab id"
+    ids = _grade_ids(student)
+    overlap = sorted(((len(ids & _grade_ids(nb)), lab) for lab, nb in labs.items()), reverse=True)
+    if overlap and overlap[0][0] > 0 and (len(overlap) == 1 or overlap[1][0] < overlap[0][0]):
+        return overlap[0][1], "graded cell ids"
+    if wanted:
+        return None, f"its lab id {wanted!r} names no lab in the solutions folder"
+    return None, "no lab id and no graded cell of any lab: not a lab notebook?"
+
+
+# --- running it --------------------------------------------------------------
+
+def _environment(package_dir: Path, sandboxed: bool) -> dict:
+    home = WORK if sandboxed else os.getcwd()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
+           "PYTHONPATH": str(package_dir.parent), "HOME": home, "TMPDIR": "/tmp",
+           "JUPYTER_RUNTIME_DIR": "/tmp/jupyter-runtime", "IPYTHONDIR": "/tmp/ipython",
+           "MPLCONFIGDIR": "/tmp/matplotlib", "PYTHONDONTWRITEBYTECODE": "1",
+           "JUPYTER_PLATFORM_DIRS": "1"}
+    for key in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MKL_NUM_THREADS"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
+                 timeout: float, total_timeout: Optional[float]):
+    """Run in the runner (sandboxed when ``box.available``); ``(results, violations)``."""
+    import mgpu_lab
+    package_dir = Path(mgpu_lab.__file__).resolve().parent
+    tests = graded_cells(instructor)
+    sources = {i: tests[gid].source for i, gid in prepared.graded.items()}
+    trusted = [c.source for c in instructor.cells if c.cell_type == "code"
+               and not nbgrader_meta(c).get("solution") and not nbgrader_meta(c).get("grade")]
+    header = {"notebook": nbformat.writes(prepared.nb), "timeout": timeout,
+              "total_timeout": total_timeout, "sandboxed": box.available,
+              "limits": asdict(limits), "cgroup": bool(box.cgroup), "trusted": trusted,
+              "graded": {i: {"grade_id": gid, "forbidden": forbidden_of(tests[gid])}
+                         for i, gid in prepared.graded.items()}}
+    argv = [sys.executable, "-m", "mgpu_lab.course.runner"]
+    cleanup, scratch = [], None
+    env = _environment(package_dir, box.available)
+    if box.available:
+        argv, cleanup = command(box, argv, limits, package_dir, env)
+        cwd = "/"
+    else:
+        scratch = tempfile.TemporaryDirectory(prefix="mgpu-lab-grade-")
+        cwd = env["HOME"] = scratch.name
+        env = dict(os.environ, **{k: v for k, v in env.items() if k not in ("TMPDIR",)})
+        if os.environ.get("PYTHONPATH"):
+            env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
+        for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
+            env[k] = os.path.join(scratch.name, "." + k.lower())
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
+    tail = []
+    drain = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
+    drain.start()
+    deadline = monotonic() + (total_timeout or 24 * 3600) + 60
+    try:
+        proc.stdin.write((json.dumps(header) + "\n").encode())
+        proc.stdin.flush()
+        while True:
+            line = _readline(proc.stdout, deadline)
+            if line is None:
+                raise RuntimeError("the runner gave no result"
+                                   + (f": {tail[-1][-300:]}" if tail else ""))
+            msg = json.loads(line)
+            if "need" in msg:
+                proc.stdin.write((json.dumps({"source": sources[int(msg["need"])]}) + "\n").encode())
+                proc.stdin.flush()
+            else:
+                return ({r["index"]: r for r in msg["results"]},
+                        {int(k): v for k, v in msg.get("violations", {}).items()})
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        remove_cgroups(cleanup)
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def _drain(stream, tail: list, keep: int = 4096) -> None:
+    """Read the runner's stderr to its end, keeping only its last few KiB."""
+    buf = b""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        buf = (buf + chunk)[-keep:]
+        tail[:] = [buf.decode("utf-8", "replace")]
+
+
+def _readline(stream, deadline: float, limit: int = 2**24) -> Optional[str]:
+    line = b""
+    fd = stream.fileno()
+    while not line.endswith(b"\n"):
+        left = deadline - monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk or len(line) > limit:
+            return None
+        line += chunk
+    return line.decode("utf-8", "replace")
+
+
+def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
+                   limits: Optional[Limits] = None, timeout: float = 120.0,
+                   total_timeout: Optional[float] = 1800.0) -> NotebookGrade:
+    """Score one submission against the matching lab in ``labs`` (see :func:`load_solutions`)."""
+    from .sandbox import probe
+    path, start = Path(path), monotonic()
+    box = box or probe()
+    grade = NotebookGrade(str(path), path.name, student or path.stem, sandboxed=box.available)
+    try:
+        submission = nbformat.read(path, as_version=4)
+    except Exception as err:  # not JSON, not a notebook
+        grade.error = f"UnreadableNotebook: {brief(str(err))}"
+        return grade
+    grade.lab, how = match_lab(submission, labs)
+    if grade.lab is None:
+        grade.error = f"NoLab: {how}"
+        return grade
+    instructor = labs[grade.lab]
+    if how != "lab id":
+        grade.notes.append(f"matched by its {how}")
+    prepared = prepare_submission(submission, instructor)
+    grade.notes += prepared.notes
+    static = static_check(submission, instructor)
+    try:
+        results, runtime = run_prepared(prepared, instructor, box, limits or Limits(),
+                                        timeout, total_timeout)
+    except Exception as err:
+        results, runtime = {}, {}
+        grade.error = f"GraderError: {brief(str(err))}"
+    where = {gid: i for i, gid in prepared.graded.items()}
+    for gid, cell in graded_cells(instructor).items():
+        points = float(nbgrader_meta(cell)["points"])
+        if gid in prepared.missing:
+            grade.exercises.append(ExerciseScore(gid, 0.0, points, "Missing",
+                                                 "the graded cell and its exercise were deleted"))
+            continue
+        r = results.get(where[gid], {"error": "NotRun", "message": ""})
+        calls = static.get(gid) or runtime.get(where[gid])
+        raised = re.search(guard.MESSAGE.format(r"([\w.]+)"), r.get("message") or "")
+        if not calls and raised:     # raised in a rank that launch() forked
+            calls = [raised.group(1)]
+        if calls:
+            error, message = "ForbiddenCall", guard.MESSAGE.format(", ".join(calls))
         else:
-            raise FileNotFoundError(f"no such notebook or folder: {p}")
-    return found
-
-
-def print_report(grades: List[NotebookGrade], file=None) -> None:
-    file = file or sys.stdout
-    for g in grades:
-        print(f"\n{g.path}: {g.score:g}/{g.max_score:g}  ({g.seconds:.1f} s)"
-              + (f"  [{g.error}]" if g.error else ""), file=file)
-        if g.exercises:
-            width = max(len("grade_id"), *(len(e.grade_id) for e in g.exercises))
-            print(f"  {'grade_id':<{width}}  score    max  error", file=file)
-            for e in g.exercises:
-                why = f"{e.error}: {e.message}" if e.error and e.message else e.error or ""
-                print(f"  {e.grade_id:<{width}}  {e.score:5g}  {e.max_score:5g}  "
-                      f"{why if len(why) <= 90 else why[:87] + '...'}", file=file)
-    if len(grades) > 1:
-        print(f"\ntotal: {sum(g.score for g in grades):g}/{sum(g.max_score for g in grades):g}"
-              f" over {len(grades)} notebooks", file=file)
-
-
-def write_csv(grades: List[NotebookGrade], path) -> None:
-    columns = []
-    for g in grades:
-        for e in g.exercises:
-            key = f"{Path(g.notebook).stem}:{e.grade_id}"
-            if key not in columns:
-                columns.append(key)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["path", "notebook", "score", "max_score", "error"] + columns)
-        for g in grades:
-            scores = {f"{Path(g.notebook).stem}:{e.grade_id}": e.score for e in g.exercises}
-            writer.writerow([g.path, g.notebook, g.score, g.max_score, g.error or ""]
-                            + [scores.get(c, "") for c in columns])
-
-
-def _cmd_grade(args) -> int:
-    if args.timeout <= 0 or args.total_timeout <= 0:
-        print("mgpu-lab grade: --timeout and --total-timeout must be positive", file=sys.stderr)
-        return 2
-    if not Path(args.solutions).is_dir():
-        print(f"mgpu-lab grade: no solutions folder {args.solutions}; pass --solutions DIR",
-              file=sys.stderr)
-        return 2
-    try:
-        notebooks = find_notebooks(args.paths)
-    except FileNotFoundError as err:
-        print(f"mgpu-lab grade: {err}", file=sys.stderr)
-        return 2
-    if not notebooks:
-        print("mgpu-lab grade: no notebooks found in " + " ".join(args.paths), file=sys.stderr)
-        return 2
-    try:
-        grades = [grade_notebook(p, args.solutions, args.timeout, args.total_timeout)
-                  for p in notebooks]
-    except KeyboardInterrupt:
-        print("mgpu-lab grade: interrupted; nothing written", file=sys.stderr)
-        return 130
-    print_report(grades)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"notebooks": [g.to_dict() for g in grades]},
-                                              indent=2) + "\n", encoding="utf-8")
-    if args.csv:
-        write_csv(grades, args.csv)
-    return 0
+            error, message = r["error"], brief(r.get("message") or "")
+        grade.exercises.append(ExerciseScore(gid, 0.0 if error else points, points, error,
+                                             message))
+    grade.seconds = round(monotonic() - start, 2)
+    return grade
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("grade", help="score students' notebooks",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("paths", nargs="+", metavar="PATH", help="notebooks or folders of notebooks")
-    p.add_argument("--json", metavar="FILE", help="write per-exercise scores as JSON")
-    p.add_argument("--csv", metavar="FILE", help="write one row per notebook as CSV")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds per cell (120)")
-    p.add_argument("--total-timeout", type=float, default=1800.0,
-                   help="seconds per notebook (1800)")
-    p.add_argument("--solutions", default=str(SOLUTIONS_DIR),
-                   help="instructor notebooks, matched by file name")
-    p.set_defaults(func=_cmd_grade)
+    from .classroom import add_parser as add
+    add(subparsers)

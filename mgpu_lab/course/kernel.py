@@ -13,6 +13,11 @@ solution is executed exactly as a submission is graded:
   ``MAX_RESTARTS`` restarts the remaining cells get "DeadKernel";
 - ``total_timeout`` bounds the whole notebook; cells past it get "TotalTimeout".
 
+``before(client, index, cell)`` and ``after(client, index, cell, result)`` (async)
+run around each cell's first execution (not around replays): the grader's
+runner fills a graded cell's source in ``before`` and sets or lifts the
+"must not call" guards (:mod:`mgpu_lab.course.guard`) with :func:`silent`.
+
 What it costs: one kernel start (about a second) per notebook and per restart,
 and the replay of the earlier cells after a restart.
 """
@@ -80,7 +85,27 @@ async def _shutdown(client) -> None:
         await km.shutdown_kernel(now=True)
 
 
-async def _run(nb, cwd, timeout, total_timeout, bar, state) -> List[CellResult]:
+async def silent(client, code: str, expressions: Optional[dict] = None,
+                 wait: float = 10.0) -> dict:
+    """Run ``code`` in the kernel without output or history; the reply's content
+    (``{}`` when the kernel does not answer within ``wait`` seconds)."""
+    from nbclient.util import ensure_async
+    msg_id = await ensure_async(client.kc.execute(code, silent=True, store_history=False,
+                                                   user_expressions=expressions or {}))
+    end = monotonic() + wait
+    while monotonic() < end:
+        try:
+            msg = await ensure_async(client.kc.shell_channel.get_msg(
+                timeout=max(0.1, end - monotonic())))
+        except Empty:
+            break
+        if msg["parent_header"].get("msg_id") == msg_id:
+            return msg.get("content", {})
+    return {}
+
+
+async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
+               after=None, graded_history=True) -> List[CellResult]:
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
     from nbclient.util import ensure_async
@@ -98,11 +123,16 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state) -> List[CellResult]:
         record_timing=False, iopub_timeout=4,
         resources={"metadata": {"path": str(cwd)}}, on_cell_executed=on_executed)
 
-    async def execute(i) -> CellResult:
-        cell, start = nb.cells[i], monotonic()
+    async def execute(i, first=False) -> CellResult:
+        cell = nb.cells[i]
         expected = "raises-exception" in cell.metadata.get("tags", [])
+        graded = (cell.metadata.get("nbgrader") or {}).get("grade", False)
+        start = monotonic()
         try:
-            await client.async_execute_cell(cell, i, store_history=True)
+            if first and before is not None:
+                await before(client, i, cell)
+            start = monotonic()
+            await client.async_execute_cell(cell, i, store_history=graded_history or not graded)
         except DeadKernelError:
             return CellResult(i, "DeadKernel", "the kernel died running this cell",
                               monotonic() - start, expected)
@@ -112,6 +142,11 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state) -> List[CellResult]:
             result.error, result.message = content.get("ename"), content.get("evalue", "")
         elif content.get("status") != "ok":
             result.error, result.message = "NoReply", f"status {content.get('status')!r}"
+        if first and after is not None:
+            try:
+                await after(client, i, cell, result)
+            except DeadKernelError:
+                pass  # the next cell finds the kernel dead and restarts it
         return result
 
     pos, restarts = 0, 0
@@ -137,7 +172,7 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state) -> List[CellResult]:
                 if monotonic() >= deadline:
                     results[i] = CellResult(i, "TotalTimeout", f"past {total_timeout:g} s in all")
                     continue
-                results[i] = await execute(i)
+                results[i] = await execute(i, first=True)
                 if bar is not None:
                     bar.update(1)
                 if results[i].error == "DeadKernel" or (
@@ -157,11 +192,13 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state) -> List[CellResult]:
 
 
 def run_notebook(nb, cwd=".", timeout: float = 120.0, total_timeout: Optional[float] = None,
-                 desc: Optional[str] = None, progress: bool = True) -> List[CellResult]:
+                 desc: Optional[str] = None, progress: bool = True, before=None,
+                 after=None, graded_history: bool = True) -> List[CellResult]:
     """Execute ``nb`` in place (outputs stored in it) under the limits above.
 
     Returns one :class:`CellResult` per non-empty code cell; never raises for
-    errors inside the notebook.
+    errors inside the notebook. ``graded_history=False`` keeps graded cells out
+    of the kernel's input history (the grader: no ``In[]`` view of hidden tests).
     """
     from nbclient.util import run_sync
     from tqdm.auto import tqdm
@@ -171,7 +208,8 @@ def run_notebook(nb, cwd=".", timeout: float = 120.0, total_timeout: Optional[fl
                disable=not progress)
     state = {"km": None}  # the live kernel, so that Ctrl-C cannot orphan it
     try:
-        return run_sync(_run)(nb, cwd, timeout, total_timeout, bar, state)
+        return run_sync(_run)(nb, cwd, timeout, total_timeout, bar, state, before, after,
+                                  graded_history)
     except BaseException:
         km = state["km"]
         if km is not None and km.has_kernel:

@@ -14,9 +14,17 @@ course directory layout with it; we only need its cell conventions):
 
 Cells carry nbgrader-style metadata ``nbgrader: {grade_id, points, solution,
 grade, locked}``; :func:`check_notebook` says what is wrong with a solution.
+Every lab (and its solution) carries its lab id, the solution's file stem, in
+``metadata.mgpu_lab.lab``: the grader knows a submission whatever its name.
 
-    mgpu-lab labs build [--check] [--solutions DIR] [--labs DIR]
+The course commands work on the checkout they are run in: ``labs/`` and
+``solutions/`` are found by walking up from the current folder (or ``--root``).
+The wheel ships the labs too (:mod:`.layout`), so that
+``mgpu-lab labs copy DIR`` gives a learner the labs without a clone.
+
+    mgpu-lab labs build [--check] [--root DIR] [--solutions DIR] [--labs DIR]
     mgpu-lab labs execute [NOTEBOOK ...]
+    mgpu-lab labs copy DIR
 """
 from __future__ import annotations
 
@@ -29,10 +37,10 @@ from typing import Iterable, List
 
 import nbformat
 
+from .layout import _cmd_copy, course_dir
+
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
-ROOT = Path(__file__).resolve().parents[2]
-SOLUTIONS_DIR, LABS_DIR = ROOT / "solutions", ROOT / "labs"
 # A warning printed in a kernel names the cell's temporary file, e.g.
 # /tmp/ipykernel_4242/3141592653.py; it changes on every run.
 KERNEL_PATH = re.compile(r"(?:[A-Za-z]:)?[\w./\\~-]*ipykernel_\d+[/\\]\d+\.py")
@@ -40,6 +48,12 @@ KERNEL_PATH = re.compile(r"(?:[A-Za-z]:)?[\w./\\~-]*ipykernel_\d+[/\\]\d+\.py")
 
 class MarkerError(ValueError):
     """A solution notebook's markers or nbgrader metadata are malformed."""
+
+
+def lab_id(nb):
+    """The lab a notebook belongs to (``metadata.mgpu_lab.lab``), or None."""
+    value = (nb.get("metadata", {}).get("mgpu_lab") or {}).get("lab")
+    return value if isinstance(value, str) and value else None
 
 
 def _replace_regions(source: str, begin: str, end: str, replacement) -> str:
@@ -118,10 +132,15 @@ def check_notebook(nb) -> None:
                               "(nbgrader metadata {'grade': true, 'points': N})")
 
 
-def make_lab(solution) -> nbformat.NotebookNode:
-    """The lab notebook generated from a solution notebook (a new object)."""
+def make_lab(solution, lab: str = None) -> nbformat.NotebookNode:
+    """The lab notebook generated from a solution notebook (a new object).
+
+    ``lab`` (the lab id, default: the solution's own) goes into the metadata."""
     check_notebook(solution)
+    lab_name = lab or lab_id(solution)
     lab = copy.deepcopy(solution)
+    if lab_name:
+        lab.metadata.setdefault("mgpu_lab", {})["lab"] = lab_name
     lab.metadata.pop("widgets", None)  # saved widget state belongs to outputs
     for cell in lab.cells:
         cell.source = strip_solution(cell.source, cell.cell_type)
@@ -141,12 +160,12 @@ def _text(nb) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def build_labs(solutions: Path = SOLUTIONS_DIR, labs: Path = LABS_DIR,
-               check: bool = False) -> List[str]:
+def build_labs(solutions: Path, labs: Path, check: bool = False) -> List[str]:
     """Generate ``labs/`` from ``solutions/``; return what was (or is) stale.
 
     With ``check=True`` nothing is written: the returned list names each lab
-    that is missing, differs from its solution, or has no solution.
+    that is missing, differs from its solution, has no solution, or a solution
+    without its lab id (``metadata.mgpu_lab.lab``, which a build writes).
     """
     solutions, labs = Path(solutions), Path(labs)
     if not solutions.is_dir():
@@ -155,8 +174,14 @@ def build_labs(solutions: Path = SOLUTIONS_DIR, labs: Path = LABS_DIR,
     wanted = set()
     for src in sorted(solutions.glob("*.ipynb")):
         wanted.add(src.name)
+        solution = nbformat.read(src, as_version=4)
+        if lab_id(solution) != src.stem:   # the id travels with the solution too
+            stale.append(f"{src} (no lab id)")
+            if not check:
+                solution.metadata.setdefault("mgpu_lab", {})["lab"] = src.stem
+                src.write_text(_text(solution), encoding="utf-8")
         try:
-            text = _text(make_lab(nbformat.read(src, as_version=4)))
+            text = _text(make_lab(solution, src.stem))
         except MarkerError as err:
             raise MarkerError(f"{src}: {err}") from None
         dest = labs / src.name
@@ -203,6 +228,7 @@ def execute_notebook(path: Path, timeout: float = 600.0) -> List[str]:
 
 def _cmd_build(args) -> int:
     try:
+        args.solutions, args.labs = course_dir(args, "solutions"), course_dir(args, "labs")
         stale = build_labs(args.solutions, args.labs, check=args.check)
     except (MarkerError, FileNotFoundError) as err:
         print(f"mgpu-lab labs build: {err}", file=sys.stderr)
@@ -219,6 +245,12 @@ def _cmd_build(args) -> int:
 
 def _cmd_execute(args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as in CI: same numbers
+    if not args.notebooks:
+        try:
+            args.solutions = course_dir(args, "solutions")
+        except FileNotFoundError as err:
+            print(f"mgpu-lab labs execute: {err}", file=sys.stderr)
+            return 2
     paths: Iterable[Path] = args.notebooks or sorted(Path(args.solutions).glob("*.ipynb"))
     failures = []
     for path in paths:
@@ -242,13 +274,20 @@ def add_parser(subparsers) -> None:
     build = sub.add_parser("build", help="generate labs/ from solutions/")
     build.add_argument("--check", action="store_true",
                        help="write nothing; exit 1 when labs/ is stale")
-    build.add_argument("--solutions", type=Path, default=SOLUTIONS_DIR)
-    build.add_argument("--labs", type=Path, default=LABS_DIR)
+    build.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
+    build.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
+    build.add_argument("--labs", type=Path, help="default: ROOT/labs")
     build.set_defaults(func=_cmd_build)
     execute = sub.add_parser("execute", help="run solution notebooks in place and store outputs")
     execute.add_argument("notebooks", nargs="*", type=Path,
                          help="default: every notebook in --solutions")
-    execute.add_argument("--solutions", type=Path, default=SOLUTIONS_DIR)
+    execute.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
+    execute.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
     execute.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
     execute.set_defaults(func=_cmd_execute)
+    copy_ = sub.add_parser("copy", help="copy the lab notebooks into a folder, to work in")
+    copy_.add_argument("dest", type=Path, metavar="DIR")
+    copy_.add_argument("--root", type=Path, help="take ROOT/labs (default: this checkout's, "
+                       "else the labs installed with the package)")
+    copy_.set_defaults(func=_cmd_copy)
 

@@ -1,6 +1,6 @@
 """The tour: run every solution notebook headless, in order, and say how it went.
 
-    mgpu-lab tour [--only NN ...] [--solutions DIR] [--timeout SECONDS]
+    mgpu-lab tour [--only NN ...] [--root DIR | --solutions DIR] [--timeout SECONDS]
 
 Each notebook is read into memory and run in a fresh kernel whose working
 folder is the notebook's own (as under nbval and in JupyterLab), with the
@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 import nbformat
 
 from .kernel import run_notebook
-from .notebooks import SOLUTIONS_DIR, nbgrader_meta
+from .notebooks import course_dir, nbgrader_meta
 
 
 @dataclass
@@ -87,8 +87,9 @@ def print_table(runs: List[LabRun], file=None) -> None:
 def _cmd_tour(args) -> int:
     from tqdm.auto import tqdm
     try:
+        args.solutions = course_dir(args, "solutions")
         notebooks = select(args.solutions, args.only)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         print(f"mgpu-lab tour: {err}", file=sys.stderr)
         return 2
     if not notebooks:
@@ -112,6 +113,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("tour", help="run every solution notebook, headless",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", metavar="NN", help="just these labs (00 01 ... or names)")
-    p.add_argument("--solutions", type=Path, default=SOLUTIONS_DIR)
+    p.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
+    p.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per cell (300)")
     p.set_defaults(func=_cmd_tour)

@@ -1,0 +1,114 @@
+"""What the grader writes: a table on screen, JSON, CSV, a feedback file per student.
+
+Messages are bounded (:func:`mgpu_lab.course.grader.brief`: a few hundred
+characters) and never contain the hidden tests' source: only the exception's
+name and message come out of the sandbox.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+FEEDBACK_LIMIT = 300
+
+
+def by_student(grades) -> Dict[str, Dict[str, object]]:
+    """``{student: {lab: grade}}``; of two notebooks for one lab, the better one counts."""
+    table: Dict[str, Dict[str, object]] = {}
+    for g in grades:
+        labs = table.setdefault(g.student, {})
+        key = g.lab or f"?{Path(g.path).name}"
+        if key in labs and g.lab:
+            other = labs[key]
+            best, worse = (g, other) if g.score > other.score else (other, g)
+            note = f"also submitted {worse.path} ({worse.score:g}): the better counts"
+            if note not in best.notes:
+                best.notes.append(note)
+            labs[key] = best
+        else:
+            labs[key] = g
+    return table
+
+
+def print_table(grades, sandbox_line: str, file=None) -> None:
+    file = file or sys.stdout
+    table = by_student(grades)
+    for student in sorted(table):
+        for lab, g in sorted(table[student].items()):
+            head = f"{student}  {lab}  {g.score:g}/{g.max_score:g}  ({g.seconds:.1f} s)"
+            print(head + (f"  [{g.error}]" if g.error else ""), file=file)
+            width = max([len("grade_id")] + [len(e.grade_id) for e in g.exercises])
+            for e in g.exercises:
+                why = f"{e.error}: {e.message}" if e.error and e.message else e.error or ""
+                print(f"    {e.grade_id:<{width}}  {e.score:4g}/{e.max_score:<4g}  "
+                      f"{why if len(why) <= 100 else why[:97] + '...'}", file=file)
+            for note in g.notes:
+                print(f"    note: {note}", file=file)
+    if len(grades) > 1:
+        print(f"total: {sum(g.score for g in grades):g}/{sum(g.max_score for g in grades):g} "
+              f"over {len(grades)} notebooks, {len(table)} students", file=file)
+    print(sandbox_line, file=file)
+
+
+def write_json(grades, path, sandbox_line: str) -> None:
+    students = {s: {lab: g.to_dict() for lab, g in labs.items()}
+                for s, labs in by_student(grades).items()}
+    data = {"sandbox": sandbox_line, "notebooks": [g.to_dict() for g in grades],
+            "students": students}
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def write_csv(grades, path) -> None:
+    """One row per student; per lab a total column, then one column per exercise."""
+    table = by_student(grades)
+    columns: List[str] = []
+    for g in grades:
+        if not g.lab:
+            continue
+        for key in [g.lab] + [f"{g.lab}:{e.grade_id}" for e in g.exercises]:
+            if key not in columns:
+                columns.append(key)
+    columns.sort(key=lambda c: (c.split(":")[0], ":" in c))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["student", "total", "max_total"] + columns)
+        for student in sorted(table):
+            cells = {}
+            labs = [g for lab, g in table[student].items() if g.lab]
+            for g in labs:
+                cells[g.lab] = g.score
+                cells.update({f"{g.lab}:{e.grade_id}": e.score for e in g.exercises})
+            writer.writerow([student, sum(g.score for g in labs), sum(g.max_score for g in labs)]
+                            + [cells.get(c, "") for c in columns])
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", name).strip("._") or "unnamed"
+
+
+def write_feedback(grades, folder) -> List[Path]:
+    """``folder/<student>/<lab>.md``: each exercise, its points, the failure's message."""
+    written = []
+    for student, labs in by_student(grades).items():
+        for lab, g in labs.items():
+            lines = [f"# {lab}: {g.score:g} / {g.max_score:g}", "",
+                     f"Student: {student}  ", f"Notebook: {Path(g.path).name}", ""]
+            if g.error:
+                lines += [f"**Not graded:** {g.error[:FEEDBACK_LIMIT]}", ""]
+            if g.exercises:
+                lines += ["| exercise | points | result |", "|---|---|---|"]
+                for e in g.exercises:
+                    result = "passed" if not e.error else f"{e.error}: {e.message}"
+                    result = result[:FEEDBACK_LIMIT].replace("|", "\\|").replace("\n", " ")
+                    lines.append(f"| {e.grade_id} | {e.score:g} / {e.max_score:g} | {result} |")
+                lines.append("")
+            lines += [f"- {n[:FEEDBACK_LIMIT]}" for n in g.notes]
+            path = Path(folder) / _safe(student) / f"{_safe(lab)}.md"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            written.append(path)
+    return written

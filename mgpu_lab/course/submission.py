@@ -1,0 +1,108 @@
+"""The submission as it will run: the instructor's graded cells put in its place.
+
+Graded cells are matched by nbgrader ``grade_id``: an edited one is replaced,
+a duplicated one runs once (its last copy; earlier copies become markdown), a
+deleted one is put back after its exercise, or scored 0 (``Missing``) when the
+exercise is gone too. The graded cells' sources are left out (a placeholder):
+the runner asks for each one when it is about to run. :func:`static_check` is
+the grader-side half of "this exercise must not call X" (:mod:`.guard`).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import nbformat
+
+from . import guard
+from .notebooks import graded_cells, nbgrader_meta
+from .runner import PLACEHOLDER
+
+
+def exercise_of(instructor) -> Dict[str, Optional[str]]:
+    """``{graded grade_id: grade_id of the nearest solution cell above it}``."""
+    out, last = {}, None
+    for cell in instructor.cells:
+        meta = nbgrader_meta(cell)
+        if meta.get("solution"):
+            last = meta.get("grade_id")
+        if meta.get("grade") and cell.cell_type == "code" and "grade_id" in meta:
+            out[meta["grade_id"]] = last
+    return out
+
+
+def forbidden_of(cell) -> List[str]:
+    return list((cell.metadata.get("mgpu_lab") or {}).get("reimplements") or [])
+
+
+@dataclass
+class Prepared:
+    nb: nbformat.NotebookNode              # graded cells' sources left out
+    graded: Dict[int, str]                 # cell index -> grade_id
+    missing: List[str]
+    notes: List[str]
+
+
+def prepare_submission(student, instructor) -> Prepared:
+    """The submission with the instructor's graded cells in place (sources left out)."""
+    tests, exercise = graded_cells(instructor), exercise_of(instructor)
+    cells, notes = [], []
+    for cell in student.cells:
+        cell = copy.deepcopy(cell)
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+        cells.append(cell)
+    last = {}
+    for index, cell in enumerate(cells):
+        gid = nbgrader_meta(cell).get("grade_id")
+        if gid in tests and cell.cell_type == "code":
+            last.setdefault(gid, []).append(index)
+    for gid, where in last.items():
+        for index in where[:-1]:
+            cells[index] = nbformat.v4.new_markdown_cell(f"(a copy of graded cell {gid})")
+        if len(where) > 1:
+            notes.append(f"{gid}: graded cell duplicated; its last copy was graded")
+    missing = []
+    for gid in tests:
+        if gid in last:
+            continue
+        anchors = [i for i, c in enumerate(cells)
+                   if exercise[gid] and nbgrader_meta(c).get("grade_id") == exercise[gid]]
+        if not anchors:
+            missing.append(gid)
+            notes.append(f"{gid}: graded cell and its exercise deleted; scored 0")
+            continue
+        cells.insert(anchors[-1] + 1, nbformat.v4.new_code_cell(
+            "", metadata=copy.deepcopy(tests[gid].metadata)))
+        notes.append(f"{gid}: graded cell deleted; put back after its exercise")
+    graded = {}
+    for index, cell in enumerate(cells):
+        gid = nbgrader_meta(cell).get("grade_id")
+        if gid in tests and cell.cell_type == "code":
+            new = nbformat.v4.new_code_cell(PLACEHOLDER,
+                                            metadata=copy.deepcopy(tests[gid].metadata))
+            cells[index] = new
+            graded[index] = gid
+    nb = copy.deepcopy(student)
+    nb.cells = cells
+    return Prepared(nb, graded, missing, notes)
+
+
+def static_check(student, instructor) -> Dict[str, List[str]]:
+    """``{graded grade_id: forbidden references its solution cell names}``."""
+    tests, exercise = graded_cells(instructor), exercise_of(instructor)
+    sources = [c.source for c in student.cells if c.cell_type == "code"]
+    aliases = guard.import_aliases(sources)
+    found = {}
+    for gid, cell in tests.items():
+        forbidden = forbidden_of(cell)
+        if not forbidden or not exercise[gid]:
+            continue
+        hits = set()
+        for c in student.cells:
+            if c.cell_type == "code" and nbgrader_meta(c).get("grade_id") == exercise[gid]:
+                hits.update(guard.static_violations(c.source, forbidden, aliases))
+        if hits:
+            found[gid] = sorted(hits)
+    return found
