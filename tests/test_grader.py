@@ -343,6 +343,10 @@ def test_static_check_resolves_import_aliases_and_tensor_methods():
                  "torch.nn.parallel.scatter"]
     assert guard.static_violations(src, forbidden, dict(aliases, torch="torch")) == sorted(forbidden)
     assert guard.static_violations("def f(x):\n    return x[:2]", forbidden, aliases) == []
+    # A cell that starts with IPython syntax is still read (the kernel runs it as Python).
+    magic = "%matplotlib inline\nfrom mgpu_lab import scatter as s2\ndef f(x):\n    return s2(x)"
+    assert guard.import_aliases([magic]) == {"s2": "mgpu_lab.scatter"}
+    assert guard.static_violations(magic, forbidden, {}) == ["mgpu_lab.scatter"]
 
 
 def test_runtime_guard_catches_aliases_in_globals_and_closures():

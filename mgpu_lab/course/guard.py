@@ -39,13 +39,26 @@ class ForbiddenCall(RuntimeError):
 
 # --- static check (grader side) ---------------------------------------------
 
+def _parse(src: str):
+    """The syntax tree of a cell, IPython syntax (``%matplotlib inline``, ``!ls``) turned
+    into Python first, as the kernel does; None when it is not valid Python."""
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+        src = TransformerManager().transform_cell(src)
+    except ImportError:  # the grader runs without IPython: plain Python cells only
+        pass
+    try:
+        return ast.parse(src)
+    except SyntaxError:
+        return None
+
+
 def import_aliases(sources: Iterable[str]) -> Dict[str, str]:
     """``{local name: dotted name}`` from every import statement in ``sources``."""
     aliases: Dict[str, str] = {}
     for src in sources:
-        try:
-            tree = ast.parse(src)
-        except SyntaxError:
+        tree = _parse(src)
+        if tree is None:
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -91,9 +104,8 @@ def _resolve(dotted: str):
 
 def static_violations(source: str, forbidden: List[str], aliases: Dict[str, str]) -> List[str]:
     """The forbidden references that ``source`` names (empty when none)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
+    tree = _parse(source)
+    if tree is None:
         return []
     aliases = dict(aliases, **import_aliases([source]))
     roots = {f.split(".")[0] for f in forbidden}
