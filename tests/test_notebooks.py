@@ -185,3 +185,13 @@ def test_sanitize_cfg_keeps_what_is_checked(a, b):
 
 def test_kernel_path_regex_matches_the_sanitize_cfg():
     assert notebooks.KERNEL_PATH.pattern in (ROOT / "solutions" / "sanitize.cfg").read_text()
+
+
+def test_answer_key_cells_stay_in_the_solution():
+    solution = _toy()
+    key = nbformat.v4.new_markdown_cell("**Answers.** 1. Because the ring sends 2(N-1)/N of the data.")
+    key.metadata["tags"] = ["answer-key"]
+    solution.cells.append(key)
+    lab = make_lab(solution)
+    assert len(lab.cells) == len(solution.cells) - 1
+    assert "Answers." not in nbformat.writes(lab)

@@ -132,16 +132,22 @@ def check_notebook(nb) -> None:
                               "(nbgrader metadata {'grade': true, 'points': N})")
 
 
+ANSWER_KEY_TAG = "answer-key"
+
+
 def make_lab(solution, lab: str = None) -> nbformat.NotebookNode:
     """The lab notebook generated from a solution notebook (a new object).
 
-    ``lab`` (the lab id, default: the solution's own) goes into the metadata."""
+    ``lab`` (the lab id, default: the solution's own) goes into the metadata.
+    Cells tagged ``answer-key`` (answers to the "going further" questions) stay
+    in the solution only."""
     check_notebook(solution)
     lab_name = lab or lab_id(solution)
     lab = copy.deepcopy(solution)
     if lab_name:
         lab.metadata.setdefault("mgpu_lab", {})["lab"] = lab_name
     lab.metadata.pop("widgets", None)  # saved widget state belongs to outputs
+    lab.cells = [c for c in lab.cells if ANSWER_KEY_TAG not in c.metadata.get("tags", [])]
     for cell in lab.cells:
         cell.source = strip_solution(cell.source, cell.cell_type)
         cell.metadata.pop("execution", None)
