@@ -68,7 +68,14 @@ def dumped_stacks(text: str) -> List[List[Frame]]:
 def fatal_stack(text: str) -> str:
     """The block ``faulthandler`` printed when a fatal signal hit, or ''."""
     start = text.rfind("Fatal Python error:")
-    return text[start:].strip() if start >= 0 else ""
+    if start < 0:
+        return ""
+    lines = []
+    for line in text[start:].split("Extension modules:")[0].strip().splitlines():
+        lines.append(line)
+        if line.rstrip().endswith(" in run_rank"):  # below it: how the rank was started
+            break
+    return "\n".join(lines)
 
 
 def _in_torch_distributed(path: str) -> bool:
