@@ -115,3 +115,16 @@ def test_a_hang_says_where_each_rank_waits():
     message = str(info.value)
     assert "rank 0 was in barrier() (called at test_launch_failures.py:" in message
     assert "rank 1 was in test_launch_failures.py:" in message and " in fn" in message
+
+
+def test_the_root_cause_is_the_first_rank_seen_failing_even_with_a_traceback():
+    def fn():
+        if dist.get_rank() == 0:
+            raise ValueError("first")
+        time.sleep(1.0)
+        os._exit(2)  # fails later, and without a traceback
+
+    with pytest.raises(LaunchError) as info:
+        launch(fn, nprocs=2, timeout=60)
+    assert info.value.rank == 0 and "ValueError: first" in str(info.value)
+    assert "rank 1 exited with code 2" in info.value.failures[1]
