@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
-from mgpu_lab import cleanup, distributed_loader, init_distributed, is_main_process, print0
+from mgpu_lab import cleanup, distributed_loader, init_distributed, is_main_process, print0, rank_device
 
 
 def make_dataset(n=4096, features=32, seed=0):
@@ -37,7 +37,7 @@ def main():
     args = parser.parse_args()
 
     env = init_distributed()
-    device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = rank_device()  # cuda:LOCAL_RANK under nccl, else the CPU
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device)
     model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None)

@@ -164,10 +164,11 @@ def test_default_backend_needs_a_gpu_per_rank_for_nccl(monkeypatch):
     import importlib
 
     launch_module = importlib.import_module("mgpu_lab.runtime.launch")  # the module, not the function
+    devices_module = importlib.import_module("mgpu_lab.runtime.devices")
 
-    monkeypatch.setattr(launch_module, "nccl_available", lambda: True)
-    monkeypatch.setattr(launch_module, "gpu_count", lambda: 2)
+    monkeypatch.setattr(devices_module, "nccl_available", lambda: True)
+    monkeypatch.setattr(devices_module, "gpu_count", lambda: 2)
     assert launch_module.default_launch_backend(2) == "nccl"
     assert launch_module.default_launch_backend(3) == "gloo"  # two ranks cannot share a GPU under NCCL
-    monkeypatch.setattr(launch_module, "nccl_available", lambda: False)
+    monkeypatch.setattr(devices_module, "nccl_available", lambda: False)
     assert launch_module.default_launch_backend(1) == "gloo"

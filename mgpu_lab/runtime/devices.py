@@ -86,9 +86,17 @@ def nccl_available() -> bool:
     return gpu_count() > 0 and dist.is_available() and dist.is_nccl_available()
 
 
-def backend() -> str:
-    """``"nccl"`` when CUDA and NCCL are usable, else ``"gloo"`` (CPU processes)."""
-    return "nccl" if nccl_available() else "gloo"
+def backend(processes_per_node: int = 1) -> str:
+    """The backend for ``processes_per_node`` processes on each machine: the one policy.
+
+    ``"nccl"`` when CUDA and NCCL are usable and every process gets its own GPU
+    (process ``LOCAL_RANK`` drives ``cuda:LOCAL_RANK``), else ``"gloo"`` (CPU
+    processes). So the same code runs 2 processes on a laptop (gloo), on a
+    1-GPU machine (gloo: two processes cannot share one GPU under NCCL) and on
+    2+ GPUs (nccl). ``launch()`` and ``init_distributed()`` choose with it;
+    inside a process, ``rank_device()`` then names the device to use.
+    """
+    return "nccl" if nccl_available() and processes_per_node <= gpu_count() else "gloo"
 
 
 def check_backend(name: str) -> str:

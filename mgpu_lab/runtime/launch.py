@@ -64,7 +64,8 @@ import torch.distributed as dist
 from . import _diagnosis as diagnosis
 from ._rank_output import RankOutput
 from ._workers import STACK_DUMP_SIGNAL, output_path, run_rank
-from .devices import check_backend, gpu_count, nccl_available
+from .devices import backend as backend_for
+from .devices import check_backend, gpu_count
 
 DEFAULT_TIMEOUT = 300.0
 FAILURE_GRACE_SECONDS = 3.0  # after a rank fails, how long the others get to notice and exit
@@ -142,12 +143,8 @@ def launch(
 
 
 def default_launch_backend(nprocs: int) -> str:
-    """nccl when NCCL works and every one of ``nprocs`` ranks gets its own GPU, else gloo.
-
-    So the same notebook runs 2 ranks on a laptop (gloo), on a 1-GPU machine
-    (gloo: two ranks cannot share one GPU under NCCL) and on 2+ GPUs (nccl).
-    """
-    return "nccl" if nccl_available() and nprocs <= gpu_count() else "gloo"
+    """nccl when every one of ``nprocs`` ranks gets its own GPU, else gloo: ``devices.backend(nprocs)``."""
+    return backend_for(nprocs)
 
 
 def choose_start_method(start_method: Optional[str] = None) -> str:
