@@ -89,3 +89,15 @@ def test_forkserver_launches_after_the_first_are_fast():
     # not a speed target (benchmarks/bench_launch.py measures that): proof that torch is not
     # imported again per rank, which alone takes seconds
     assert time.monotonic() - start < 30
+
+
+def test_a_fork_poisoned_without_cuda_initialised_is_detected_by_a_probe(monkeypatch):
+    # torch.cuda.is_available() marks later forks "bad" without initialising CUDA: a forked
+    # probe (which inherits these patches) reports it, and launch() does not fork then
+    import mgpu_lab.runtime.launch as launch_module
+
+    monkeypatch.setattr(launch_module, "gpu_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True, raising=False)
+    assert launch_module.fork_is_poisoned() and choose_start_method() == "forkserver"
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False, raising=False)
+    assert not launch_module.fork_is_poisoned() and choose_start_method() == "fork"

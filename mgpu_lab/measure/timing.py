@@ -35,7 +35,7 @@ import torch
 
 def synchronize(device: Optional[torch.device] = None) -> None:
     """Wait for ``device``'s queued GPU work; ``None``: every GPU this process has used."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    if not torch.cuda.is_initialized():  # no GPU work was ever queued
         return
     if device is not None:
         if torch.device(device).type == "cuda":

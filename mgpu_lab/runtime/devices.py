@@ -23,8 +23,13 @@ Devices = Optional[Sequence[Any]]  # device_ids as users write them: ints, strin
 
 
 def gpu_count() -> int:
-    """How many CUDA GPUs this process can see (honours CUDA_VISIBLE_DEVICES)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """How many CUDA GPUs this process can see (honours CUDA_VISIBLE_DEVICES).
+
+    Asked through ``torch.cuda.device_count()``, which uses NVML when it can and
+    so neither creates a CUDA context nor "poisons" later forks, unlike
+    ``torch.cuda.is_available()`` (which calls ``cuInit``).
+    """
+    return torch.cuda.device_count() if torch.cuda._is_compiled() else 0
 
 
 def devices(n: Optional[int] = None) -> List[torch.device]:
@@ -54,7 +59,7 @@ def as_device(d: Any) -> torch.device:
     if isinstance(d, str):
         return torch.device(d)
     if isinstance(d, int) and not isinstance(d, bool):
-        if d < 0 or not torch.cuda.is_available():
+        if d < 0 or gpu_count() == 0:
             return torch.device("cpu")
         return torch.device("cuda", d)
     raise TypeError(f"expected a device (int, str or torch.device), got {d!r}")

@@ -148,20 +148,41 @@ def default_launch_backend(nprocs: int) -> str:
 
 
 def choose_start_method(start_method: Optional[str] = None) -> str:
-    """``fork`` when available and CUDA is not initialised here; else ``forkserver``, else ``spawn``."""
+    """``fork`` when available and safe for CUDA (see :func:`fork_is_poisoned`); else
+    ``forkserver``, else ``spawn``."""
     available = mp.get_all_start_methods()
     if start_method is None:
-        if "fork" in available and not torch.cuda.is_initialized():
+        if "fork" in available and not fork_is_poisoned():
             return "fork"
         return "forkserver" if "forkserver" in available else "spawn"
     if start_method not in available:
         raise ValueError(f"start_method={start_method!r} is not available here; use one of {available}")
-    if start_method == "fork" and torch.cuda.is_initialized():
+    if start_method == "fork" and fork_is_poisoned():
         raise ValueError(
             "start_method='fork' cannot work once CUDA is initialised in this process (a forked child cannot "
             "use CUDA). Leave start_method=None and launch() starts fresh processes for you."
         )
     return start_method
+
+
+def fork_is_poisoned() -> bool:
+    """Would a forked child be unable to use CUDA?
+
+    True once this process initialised CUDA (``torch.cuda.is_initialized()``),
+    and also after calls that only touched the driver, such as
+    ``torch.cuda.is_available()``: torch then marks every later fork as "bad"
+    and CUDA raises in the child. That mark is visible only in a child, so with
+    GPUs visible a probe is forked (milliseconds) and asked.
+    """
+    if torch.cuda.is_initialized():
+        return True
+    if gpu_count() == 0 or not hasattr(torch.cuda, "_is_in_bad_fork"):
+        return False  # without a GPU, nothing can poison a fork
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 0
 
 
 def serialize_job(fn: Callable, args: Sequence[Any]) -> bytes:
