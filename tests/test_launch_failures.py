@@ -119,6 +119,7 @@ def test_a_hang_says_where_each_rank_waits():
 
 def test_the_root_cause_is_the_first_rank_seen_failing_even_with_a_traceback():
     def fn():
+        dist.barrier()  # both ranks are past init_process_group
         if dist.get_rank() == 0:
             raise ValueError("first")
         time.sleep(1.0)

@@ -94,7 +94,7 @@ def test_forkserver_launches_after_the_first_are_fast():
 def test_a_fork_poisoned_without_cuda_initialised_is_detected_by_a_probe(monkeypatch):
     # torch.cuda.is_available() marks later forks "bad" without initialising CUDA: a forked
     # probe (which inherits these patches) reports it, and launch() does not fork then
-    import mgpu_lab.runtime.launch as launch_module
+    import mgpu_lab.runtime._start_methods as launch_module
 
     monkeypatch.setattr(launch_module, "gpu_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True, raising=False)

@@ -47,8 +47,7 @@ def run_rank(job, rank, world_size, port_in, backend, timeout, workdir) -> None:
     result: Dict[str, Any]
     try:
         if by_value:
-            import cloudpickle  # noqa: F401  (the bytes need it to load)
-            job = pickle.loads(job)
+            job = pickle.loads(job)  # cloudpickle's bytes load with pickle (cloudpickle is imported as needed)
         fn, args = job
         if not port_in.poll(timeout):  # the parent sends the store's port once every rank is started
             raise TimeoutError(f"rank {rank}: the launching process sent no rendezvous port within {timeout:g} s")
