@@ -13,6 +13,7 @@ import json
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
@@ -68,6 +69,11 @@ def main():
     warm = sorted(step_times[5:] or step_times)
     print0(json.dumps({"world_size": env.world_size, "steps": step, "final_loss": round(loss.item(), 4),
                        "median_step_s": warm[len(warm) // 2], "node_rank": env.node_rank}))
+    # Tear down in order: every rank done with its collectives and its I/O (rank 0 prints and
+    # saves) before any rank closes its connections, and DDP's reducer (which holds the process
+    # group and its pending work) freed while the interpreter is still whole, before the group.
+    dist.barrier()
+    del model, optimizer
     cleanup()
 
 
