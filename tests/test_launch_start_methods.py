@@ -72,14 +72,48 @@ NOTEBOOK_CELLS = [
 ]
 
 
-def test_a_notebook_kernel_defines_fn_across_cells_and_spawns():
+def test_a_notebook_kernel_defines_fn_across_cells_and_spawns(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
+    spec = tmp_path / "kernels" / "this-python"  # a kernel of this very Python, whatever "python3" means here
+    spec.mkdir(parents=True)
+    spec.joinpath("kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "this python", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK_CELLS])
-    nbclient.NotebookClient(nb, timeout=180, kernel_name="python3").execute()
+    nbclient.NotebookClient(nb, timeout=180, kernel_name="this-python").execute()
     text = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
     assert text.splitlines() == ["[rank 0] hello from 0", "[rank 1] hello from 1", "41 True [0, 1]"], json.dumps(
         nb.cells[-1].outputs)
+
+
+def test_no_process_is_left_after_a_crash_in_fresh_processes(tmp_path):
+    def fn():
+        pid = os.fork()  # a grandchild, like a DataLoader worker
+        if pid == 0:
+            time.sleep(120)
+            os._exit(0)
+        (tmp_path / str(dist.get_rank())).write_text(f"{os.getpid()} {pid}")
+        if dist.get_rank() == 0:
+            raise RuntimeError("crash")
+        time.sleep(120)
+
+    from mgpu_lab import LaunchError
+
+    with pytest.raises(LaunchError):
+        launch(fn, nprocs=2, start_method="forkserver", timeout=60)
+    time.sleep(0.5)
+    pids = [int(p) for f in tmp_path.iterdir() for p in f.read_text().split()]
+    assert len(pids) == 4 and not [pid for pid in pids if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
 
 
 def test_forkserver_launches_after_the_first_are_fast():
