@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_allreduce.py
 
 Options: --nprocs N (default 2), --min-kb / --max-mb, --seconds (time budget per
-size and algorithm). On CPU this runs gloo; with GPUs, NCCL on cuda:rank.
+size and algorithm). The backend and each rank's device follow
+mgpu_lab's policy: NCCL on cuda:rank when every rank has a GPU, else gloo.
 
 Prints, per size: the median time of ``mgpu_lab.ring_allreduce`` and of
 ``dist.all_reduce``, their ratio (target: ring <= 1.5x at 16 MB), and for each
@@ -14,50 +15,33 @@ the algorithm bandwidth (algBw = S / t) and bus bandwidth (busBw = algBw ·
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from mgpu_lab import bus_bandwidth, devices, launch, naive_allreduce, ring_allreduce
+from mgpu_lab import backend, bus_bandwidth, launch, naive_allreduce, rank_device, ring_allreduce
+from mgpu_lab.measure.timing import Table, median_times, print_json
 
 
 def _time(fns, tensor, seconds: float, device):
-    """Median seconds per call of each fn; every call starts together on all ranks.
+    """Median seconds per call of each fn (the slowest rank's); every call starts together on all ranks.
 
-    The calls are interleaved (ring, torch, ring, torch, ...) so that drifting
-    load on a shared machine hits every algorithm alike. The number of calls is
-    fixed from a warm-up round (the slowest rank's), so every rank runs the same
-    collectives in the same order.
+    The number of calls is fixed from a warm-up round (the slowest rank's), so
+    every rank runs the same collectives in the same order.
     """
-    def once(fn) -> float:
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn(tensor)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - t0
-
-    for fn in fns:
-        once(fn)  # warm-up (connections, allocations)
-    first = torch.tensor([sum(once(fn) for fn in fns)], dtype=torch.float64, device=device)
+    steps = {str(i): (lambda fn=fn: fn(tensor)) for i, fn in enumerate(fns)}
+    first = torch.tensor([sum(median_times(steps, repeats=1, warmup=1, device=device,
+                                           before=dist.barrier).values())], dtype=torch.float64, device=device)
     dist.all_reduce(first, op=dist.ReduceOp.MAX)
     calls = int(min(100, max(5, seconds / max(first.item(), 1e-6))))
-    times = [[] for _ in fns]
-    for _ in range(calls):
-        for i, fn in enumerate(fns):
-            times[i].append(once(fn))
-    t = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64, device=device)
+    medians = median_times(steps, repeats=calls, warmup=0, device=device, before=dist.barrier)
+    t = torch.tensor(list(medians.values()), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's median is the collective's time
     return t.tolist()
 
 
 def _bench(sizes, seconds):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = devices(world)[rank]
+    device = rank_device()
     rows = []
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
@@ -85,24 +69,25 @@ def main() -> None:
         n *= 4
     rows = launch(_bench, nprocs=args.nprocs, args=(sizes, args.seconds), timeout=600)[0]
     world = args.nprocs
-    print(f"all-reduce of float32, {world} processes ({dist.Backend.NCCL if torch.cuda.is_available() else 'gloo'}); "
-          "median time; bandwidth in GB/s (1e9 B/s)")
-    head = (f"{'size':>7} | {'ring ms':>8} {'algBw':>6} {'busBw':>6} | {'torch ms':>8} {'algBw':>6} "
-            f"{'busBw':>6} | {'ring/torch':>10} | {'PS ms':>8} {'PS/ring':>7} | {'ring B/rank':>11} {'PS B/root':>10}")
-    print(head)
-    print("-" * len(head))
+    print(f"all-reduce of float32, {world} processes ({backend(world)}); median time; bandwidth in GB/s (1e9 B/s)")
+    table = Table("ring all-reduce vs dist.all_reduce vs a parameter server (PS)",
+                  {"size": "", "ring ms": ".3f", "ring algBw": ".2f", "ring busBw": ".2f", "torch ms": ".3f",
+                   "torch algBw": ".2f", "torch busBw": ".2f", "ring/torch": ".2f", "PS ms": ".3f",
+                   "PS/ring": ".2f", "ring B/rank": "d", "PS B/root": "d"})
     for nbytes, t_ring, t_torch, t_naive, ring_sent, naive_sent in rows:
         ra, rb = bus_bandwidth(nbytes, t_ring, world)
         ta, tb = bus_bandwidth(nbytes, t_torch, world)
-        print(f"{_fmt_size(nbytes):>7} | {t_ring * 1e3:8.3f} {ra / 1e9:6.2f} {rb / 1e9:6.2f} | "
-              f"{t_torch * 1e3:8.3f} {ta / 1e9:6.2f} {tb / 1e9:6.2f} | {t_ring / t_torch:9.2f}x | "
-              f"{t_naive * 1e3:8.3f} {t_naive / t_ring:6.2f}x | {ring_sent:11d} {naive_sent:10d}")
+        table.add(_fmt_size(nbytes), t_ring * 1e3, ra / 1e9, rb / 1e9, t_torch * 1e3, ta / 1e9, tb / 1e9,
+                  t_ring / t_torch, t_naive * 1e3, t_naive / t_ring, ring_sent, naive_sent)
+    table.print()
+    summary = {}
     at16 = [r for r in rows if r[0] == 16 * 2**20]
     if at16:
         ratio = at16[0][1] / at16[0][2]
         print(f"\nring / dist.all_reduce at 16 MB: {ratio:.2f}x (target <= 1.5x): "
               f"{'met' if ratio <= 1.5 else 'NOT met'}")
-
+        summary = {"ratio_ring_vs_torch_16MB": ratio, "target_met": ratio <= 1.5}
+    print_json("bench_allreduce", [table], nprocs=world, **summary)
 
 if __name__ == "__main__":
     main()

@@ -19,8 +19,6 @@ Options: --repeats N (median over N timed steps, default 20), --batch B (default
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -28,20 +26,7 @@ from torch import nn
 
 import mgpu_lab
 from mgpu_lab import DataParallel, DataParallelCriterion, DataParallelModel, account_memory
-
-
-def sync():
-    """Wait for every GPU: DataParallel runs kernels on all of them, not just the current one."""
-    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        torch.cuda.synchronize(i)
-
-
-def step_ms(model, x, y):
-    sync()
-    t0 = time.perf_counter()
-    F.cross_entropy(model(x), y).backward()
-    sync()
-    return (time.perf_counter() - t0) * 1e3
+from mgpu_lab.measure.timing import Table, median_times, print_json
 
 
 def step_times(batch, repeats):
@@ -56,13 +41,10 @@ def step_times(batch, repeats):
                   f"mgpu_lab.DataParallel, {len(devs)} devices": DataParallel(net, devs)}
     if torch.cuda.is_available():
         contenders[f"torch.nn.DataParallel, {len(devs)} devices"] = torch.nn.DataParallel(net, list(range(len(devs))))
-    times = {name: [] for name in contenders}
-    for r in range(repeats + 3):  # 3 warm-up rounds
-        for name, model in contenders.items():
-            ms = step_ms(model, x, y)
-            if r >= 3:
-                times[name].append(ms)
-    return devs, [(name, statistics.median(t)) for name, t in times.items()]
+    # device=None: synchronise every GPU, since DataParallel runs kernels on all of them
+    times = median_times({name: (lambda m=model: F.cross_entropy(m(x), y).backward())
+                          for name, model in contenders.items()}, repeats=repeats, warmup=3)
+    return devs, [(name, t * 1e3) for name, t in times.items()]
 
 
 def lm_loss(logits, y):
@@ -100,19 +82,23 @@ def main():
 
     devs, rows = step_times(args.batch, args.repeats)
     base = rows[0][1]
-    print(f"\n1. Step time, MLP 512-1024-1024-10, batch {args.batch}, median of {args.repeats}")
-    print(f"{'':<40}{'ms/step':>10}{'vs plain':>10}")
+    steps = Table(f"1. Step time, MLP 512-1024-1024-10, batch {args.batch}, median of {args.repeats}",
+                  {"contender": "", "ms/step": ".2f", "vs plain": ".2f"})
     for name, ms in rows:
-        print(f"{name:<40}{ms:>10.2f}{ms / base:>9.2f}x")
+        steps.add(name, ms, ms / base)
+    steps.print()
 
     a, b = memory(devs[:2] if len(devs) >= 2 else devs)
-    print(f"\n2. Bytes per device, logits 8 x 64 x 32000 from Linear(64 -> 32000), fp32 ({a.method})")
-    print(f"{'device':<26}{'DataParallel MiB':>18}{'DPModel+DPCriterion MiB':>26}")
+    mem = Table(f"2. Bytes per device, logits 8 x 64 x 32000 from Linear(64 -> 32000), fp32 ({a.method})",
+                {"device": "", "DataParallel MiB": ".2f", "DPModel+DPCriterion MiB": ".2f"})
     for i, name in enumerate(a.devices):
-        print(f"{name:<26}{a.bytes[i] / 2**20:>18.2f}{b.bytes[i] / 2**20:>26.2f}")
+        mem.add(name, a.bytes[i] / 2**20, b.bytes[i] / 2**20)
+    mem.print()
+    saved = 1 - b.bytes[0] / a.bytes[0]
     print(f"device 0 / mean of the others: DataParallel {a.imbalance():.2f}x, balanced {b.imbalance():.2f}x; "
-          f"device 0 saves {(1 - b.bytes[0] / a.bytes[0]) * 100:.0f}%")
-
+          f"device 0 saves {saved * 100:.0f}%")
+    print_json("bench_data_parallel", [steps, mem], imbalance_dataparallel=a.imbalance(),
+               imbalance_balanced=b.imbalance(), device0_saving=saved)
 
 if __name__ == "__main__":
     main()

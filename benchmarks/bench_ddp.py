@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_ddp.py
 
 Options: --nprocs N (default 2), --width (default 512), --layers (default 20),
---batch (per rank, default 64), --steps (timed steps, default 15). CPU: gloo;
-with GPUs, NCCL on cuda:rank.
+--batch (per rank, default 64), --steps (timed steps, default 15). The backend and each rank's
+device follow mgpu_lab's policy: NCCL on cuda:rank when every rank has a GPU, else gloo.
 
 One training step = zero_grad, forward, loss, backward, gradient sync, SGD step.
 Prints the median step time of each wrapper (the slowest rank's), its ratio to
@@ -15,15 +15,14 @@ rank trains alone), whose difference to the others is what synchronisation costs
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mgpu_lab import BucketedDDP, NaiveDDP, devices, launch
+from mgpu_lab import BucketedDDP, NaiveDDP, launch, rank_device
+from mgpu_lab.measure.timing import Table, median_times, print_json
 
 
 def mlp(width: int, layers: int) -> nn.Sequential:
@@ -49,8 +48,8 @@ class _Local(nn.Module):
 
 
 def _bench(width, layers, batch, steps):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = devices(world)[rank]
+    rank = dist.get_rank()
+    device = rank_device()
     torch.manual_seed(rank)
     x = torch.randn(batch, width, device=device)
     y = torch.randn(batch, width, device=device)
@@ -62,7 +61,6 @@ def _bench(width, layers, batch, steps):
         "torch DDP (25 MB)": lambda m: DistributedDataParallel(m),
     }
     order = list(makers)
-    results = {name: [] for name in order}
     models = {name: makers[name](mlp(width, layers).to(device)) for name in order}
     opts = {name: torch.optim.SGD(models[name].parameters(), lr=1e-3) for name in order}
 
@@ -74,21 +72,11 @@ def _bench(width, layers, batch, steps):
             model.finish_gradient_synchronization()
         opt.step()
 
-    for name in order:  # warm-up
-        step(name)
-    for _ in range(steps):  # interleaved, so drifting machine load hits all alike
-        for name in order:
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            step(name)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            results[name].append(time.perf_counter() - t0)
+    medians = median_times({name: (lambda name=name: step(name)) for name in order}, repeats=steps, warmup=1,
+                           device=device, before=dist.barrier)
     out = {}
     for name in order:
-        t = torch.tensor([statistics.median(results[name])], dtype=torch.float64, device=device)
+        t = torch.tensor([medians[name]], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[name] = t.item()
     buckets = {name: len(m.buckets) for name, m in models.items() if isinstance(m, BucketedDDP)}
@@ -110,16 +98,16 @@ def main() -> None:
           f"{n_params * 4 / 2**20:.1f} MB of gradients; batch {args.batch} per rank, "
           f"{args.nprocs} processes; median of {args.steps} steps")
     base = times["torch DDP (25 MB)"]
-    head = f"{'wrapper':<22} {'buckets':>7} {'step ms':>9} {'vs torch DDP':>13}"
-    print(head)
-    print("-" * len(head))
+    table = Table("median step time (the slowest rank's)", {"wrapper": "", "buckets": "", "step ms": ".1f",
+                                                           "vs torch DDP": ".2f"})
     for name, t in times.items():
-        nb = buckets.get(name, "")
-        print(f"{name:<22} {nb!s:>7} {t * 1e3:9.1f} {t / base:12.2f}x")
+        table.add(name, buckets.get(name, ""), t * 1e3, t / base)
+    table.print()
     ratio = times["BucketedDDP (25 MB)"] / base
     print(f"\nBucketedDDP (25 MB) / torch DDP: {ratio:.2f}x (target <= 1.15x): "
           f"{'met' if ratio <= 1.15 else 'NOT met'}")
-
+    print_json("bench_ddp", [table], nprocs=args.nprocs, parameters=n_params, ratio_bucketed_vs_torch=ratio,
+               target_met=ratio <= 1.15)
 
 if __name__ == "__main__":
     main()

@@ -13,11 +13,12 @@ import json
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
-from mgpu_lab import cleanup, distributed_loader, init_distributed, is_main_process, print0
+from mgpu_lab import cleanup, distributed_loader, init_distributed, is_main_process, print0, rank_device
 
 
 def make_dataset(n=4096, features=32, seed=0):
@@ -37,7 +38,7 @@ def main():
     args = parser.parse_args()
 
     env = init_distributed()
-    device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = rank_device()  # cuda:LOCAL_RANK under nccl, else the CPU
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device)
     model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None)
@@ -68,6 +69,11 @@ def main():
     warm = sorted(step_times[5:] or step_times)
     print0(json.dumps({"world_size": env.world_size, "steps": step, "final_loss": round(loss.item(), 4),
                        "median_step_s": warm[len(warm) // 2], "node_rank": env.node_rank}))
+    # Tear down in order: every rank done with its collectives and its I/O (rank 0 prints and
+    # saves) before any rank closes its connections, and DDP's reducer (which holds the process
+    # group and its pending work) freed while the interpreter is still whole, before the group.
+    dist.barrier()
+    del model, optimizer
     cleanup()
 
 

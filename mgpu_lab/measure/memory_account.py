@@ -17,10 +17,11 @@ How it measures
   allocated when ``fn`` started. This is what the caching allocator really
   handed out; tensors freed during ``fn`` are not counted twice.
 * **Virtual devices** (several entries sharing the CPU): there is nothing to
-  measure, so the bytes are *accounted*. While an account is open, the
-  functions of :mod:`mgpu_lab.parallel.data_parallel` and
-  :mod:`mgpu_lab.parallel.parallel_criterion` charge every tensor they place on a
-  device to that device:
+  measure, so the bytes are *accounted*, from outside the algorithm: while an
+  account is open, the functions of :mod:`mgpu_lab.parallel.data_parallel`
+  (``scatter``'s split, ``replicate``, ``parallel_apply``, ``gather``) are
+  wrapped, wherever they were imported, by observers that charge what each call
+  places on a device (the algorithm itself contains no accounting code):
 
   - ``inputs``: each chunk made by ``scatter`` (device i);
   - ``weights``: each replica's parameters and buffers (device i);
@@ -89,67 +90,110 @@ def active() -> bool:
     return _ledger is not None
 
 
-def charge(i: int, t: Any, kind: str) -> None:
-    """Charge tensor ``t`` to device index ``i`` (no-op unless a virtual account is open)."""
-    led = _ledger
-    if led is not None and isinstance(t, torch.Tensor):
-        led.add(i, t, kind)
-
-
-def charge_on(device: torch.device, t: Any, kind: str) -> None:
-    """Charge ``t`` to the first account device equal to ``device`` (device 0 for virtual CPUs), and its gradient."""
-    led = _ledger
-    if led is None:
-        return
-    i = next((k for k, d in enumerate(led.devices) if d == device), 0)
-    charge(i, t, kind)
-    track_grad(i, t, "gradients")
-
-
-def track_grad(i: int, t: Any, kind: str = "gradients") -> None:
-    """Charge the gradient of ``t`` to device ``i`` when backward produces it."""
-    led = _ledger
-    if led is None or not isinstance(t, torch.Tensor) or not t.requires_grad:
-        return
-
-    def hook(g):
-        led.add(i, g, kind)
-
-    h = t.register_hook(hook)
-    with _lock:
-        led.handles.append(h)
-
-
-def charge_output(i: int, out: Any) -> None:
-    """Charge every tensor in a replica's (nested) output to device ``i``, and its gradient."""
-    if _ledger is None:
-        return
-    stack = [out]
+def _tensors(obj: Any):
+    """Every tensor in a nested tuple/list/dict."""
+    stack = [obj]
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
-            charge(i, o, "outputs")
-            track_grad(i, o, "gradients")
+            yield o
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
 
 
-@contextlib.contextmanager
-def worker_scope(i: int):
-    """Inside a replica's thread: charge the tensors saved for backward to device ``i``."""
-    led = _ledger
-    if led is None:
-        yield
-        return
+def _track_grad(led: _Ledger, i: int, t: torch.Tensor) -> None:
+    """Charge the gradient of ``t`` to device ``i`` when backward produces it."""
+    if t.requires_grad:
+        h = t.register_hook(lambda g: led.add(i, g, "gradients"))
+        with _lock:
+            led.handles.append(h)
 
+
+@contextlib.contextmanager
+def _saved_tensors_charged_to(led: _Ledger, i: int):
+    """The tensors autograd saves for backward in this thread are charged to device ``i``."""
     def pack(t):
         led.add(i, t, "activations")
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+def _observers(led: _Ledger, dp) -> Dict[str, Callable]:
+    """Wrappers of data_parallel's functions that charge what each call places on a device."""
+    originals = {name: getattr(dp, name) for name in ("_scatter_tensor", "replicate", "parallel_apply", "gather")}
+
+    def _scatter_tensor(t, devices, dim):
+        chunks = originals["_scatter_tensor"](t, devices, dim)
+        for i, c in enumerate(chunks):
+            led.add(i, c, "inputs")
+        return chunks
+
+    def replicate(module, devices=None):
+        replicas = originals["replicate"](module, devices)
+        for i, r in enumerate(replicas):
+            for t in list(r.parameters()) + list(r.buffers()):
+                led.add(i, t, "weights")
+                _track_grad(led, i, t)
+        if any(t.requires_grad for r in replicas[:1] for t in r.parameters()):
+            for p in module.parameters():  # where the replicas' gradients are summed
+                _track_grad(led, 0, p)
+        return replicas
+
+    def parallel_apply(modules, inputs, kwargs=None, devices=None, **options):
+        if devices is None:  # decided from the modules themselves, before they are wrapped
+            devices = [dp._device_of(m, x) for m, x in zip(modules, inputs)]
+
+        def observed(i, m):
+            def run(*args, **kw):
+                with _saved_tensors_charged_to(led, i):
+                    out = m(*args, **kw)
+                for t in _tensors(out):
+                    led.add(i, t, "outputs")
+                    _track_grad(led, i, t)
+                return out
+            return run
+
+        return originals["parallel_apply"]([observed(i, m) for i, m in enumerate(modules)], inputs, kwargs,
+                                           devices, **options)
+
+    def gather(outputs, target_device, dim=0):
+        result = originals["gather"](outputs, target_device, dim)
+        target = dp.as_device(target_device)
+        i = next((k for k, d in enumerate(led.devices) if d == target), 0)
+        for t in _tensors(result):
+            led.add(i, t, "gathered")
+            _track_grad(led, i, t)
+        return result
+
+    return {"_scatter_tensor": (originals["_scatter_tensor"], _scatter_tensor),
+            "replicate": (originals["replicate"], replicate),
+            "parallel_apply": (originals["parallel_apply"], parallel_apply),
+            "gather": (originals["gather"], gather)}
+
+
+@contextlib.contextmanager
+def _observing(led: _Ledger):
+    """Swap data_parallel's functions for observers in every module that holds them, then back."""
+    import sys
+
+    from ..parallel import data_parallel as dp
+
+    swapped = []
+    for name, (original, observer) in _observers(led, dp).items():
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if isinstance(namespace, dict) and namespace.get(name) is original:
+                namespace[name] = observer
+                swapped.append((namespace, name, original))
+    try:
+        yield
+    finally:
+        for namespace, name, original in swapped:
+            namespace[name] = original
 
 
 @dataclass
@@ -211,7 +255,7 @@ def account_memory(fn: Callable[[], Any], devices: Optional[Sequence[torch.devic
             raise RuntimeError("account_memory: an account is already open (accounts do not nest)")
         _ledger = led = _Ledger(devs)
     try:
-        with worker_scope(0):  # the calling thread works on device 0
+        with _observing(led), _saved_tensors_charged_to(led, 0):  # the calling thread works on device 0
             fn()
     finally:
         with _lock:

@@ -40,7 +40,6 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..measure import memory_account as _acct
 from ..runtime.devices import Devices, as_device, as_devices, device_name
 
 
@@ -69,7 +68,6 @@ def _scatter_tensor(t: torch.Tensor, devices: List[torch.device], dim: int) -> l
     out = []
     for i, c in enumerate(chunks):
         c = c.to(devices[i], non_blocking=devices[i].type == "cuda")  # a view on the same device, a copy elsewhere
-        _acct.charge(i, c, "inputs")
         out.append(c)
     return out
 
@@ -142,17 +140,10 @@ def replicate(module: nn.Module, devices: Devices) -> List[nn.Module]:
 
     def copy_param(p, i, dev):
         c = p.view_as(p) if p.device == dev else p.to(dev, copy=True)  # recorded by autograd
-        c = c if grad and p.requires_grad else c.detach()  # (nothing recorded then anyway)
-        _acct.charge(i, c, "weights")
-        _acct.track_grad(i, c, "gradients")  # no-op for a detached copy
-        if i == 0 and c.requires_grad:
-            _acct.track_grad(0, p, "gradients")  # where the replicas' gradients are summed
-        return c
+        return c if grad and p.requires_grad else c.detach()  # (nothing recorded then anyway)
 
     def copy_buffer(b, i, dev):
-        c = b if (i == 0 and b.device == dev) else b.detach().to(dev, copy=True)
-        _acct.charge(i, c, "weights")
-        return c
+        return b if (i == 0 and b.device == dev) else b.detach().to(dev, copy=True)
 
     replicas = []
     for i, dev in enumerate(devices):
@@ -221,14 +212,12 @@ def parallel_apply(modules: Sequence[nn.Module], inputs: Sequence[Any], kwargs: 
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.set_grad_enabled(grad_enabled))
-                stack.enter_context(_acct.worker_scope(i))
                 if streams[i] is not None:
                     stack.enter_context(torch.cuda.device(devs[i]))
                     stack.enter_context(torch.cuda.stream(streams[i]))
                 for dt, dtype in autocast:
                     stack.enter_context(torch.autocast(dt, dtype=dtype))
                 results[i] = modules[i](*inputs[i], **kwargs[i])
-            _acct.charge_output(i, results[i])
         except BaseException as e:  # re-raised in the calling thread
             errors[i] = (e, traceback.format_exc())
 
@@ -278,7 +267,6 @@ def gather(outputs: Sequence[Any], target_device: Any, dim: int = 0) -> Any:
                 outs = [o.view(1) for o in outs]
             # non_blocking only towards a GPU: a CPU result must not be read before its copy lands
             res = torch.cat([o.to(target, non_blocking=target.type == "cuda") for o in outs], dim)
-            _acct.charge_on(target, res, "gathered")
             return res
         if out is None:
             return None

@@ -35,7 +35,6 @@ from typing import Any, List
 import torch
 from torch import nn
 
-from ..measure import memory_account as _acct
 from .data_parallel import DataParallel, first_tensor, parallel_apply, replicate, scatter_kwargs
 from ..runtime.devices import Devices, as_devices
 
@@ -132,8 +131,6 @@ class DataParallelCriterion(nn.Module):
                 raise ValueError(f"DataParallelCriterion: the criterion must return a scalar per device "
                                  f"(reduction='mean' or 'sum'), got {shape} on device {i}")
         losses = [loss.reshape(()).to(dev0) for loss in losses]  # only scalars travel to device 0
-        for loss in losses:
-            _acct.charge_on(dev0, loss, "outputs")
         if by_count:
             denominators = [_denominator(self.module, t[0]).to(dev0) for t in tgts]
             return sum(losses[1:], losses[0]) / sum(denominators[1:], denominators[0])

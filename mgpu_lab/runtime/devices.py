@@ -23,8 +23,13 @@ Devices = Optional[Sequence[Any]]  # device_ids as users write them: ints, strin
 
 
 def gpu_count() -> int:
-    """How many CUDA GPUs this process can see (honours CUDA_VISIBLE_DEVICES)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """How many CUDA GPUs this process can see (honours CUDA_VISIBLE_DEVICES).
+
+    Asked through ``torch.cuda.device_count()``, which uses NVML when it can and
+    so neither creates a CUDA context nor "poisons" later forks, unlike
+    ``torch.cuda.is_available()`` (which calls ``cuInit``).
+    """
+    return torch.cuda.device_count() if torch.cuda._is_compiled() else 0
 
 
 def devices(n: Optional[int] = None) -> List[torch.device]:
@@ -54,7 +59,7 @@ def as_device(d: Any) -> torch.device:
     if isinstance(d, str):
         return torch.device(d)
     if isinstance(d, int) and not isinstance(d, bool):
-        if d < 0 or not torch.cuda.is_available():
+        if d < 0 or gpu_count() == 0:
             return torch.device("cpu")
         return torch.device("cuda", d)
     raise TypeError(f"expected a device (int, str or torch.device), got {d!r}")
@@ -86,9 +91,17 @@ def nccl_available() -> bool:
     return gpu_count() > 0 and dist.is_available() and dist.is_nccl_available()
 
 
-def backend() -> str:
-    """``"nccl"`` when CUDA and NCCL are usable, else ``"gloo"`` (CPU processes)."""
-    return "nccl" if nccl_available() else "gloo"
+def backend(processes_per_node: int = 1) -> str:
+    """The backend for ``processes_per_node`` processes on each machine: the one policy.
+
+    ``"nccl"`` when CUDA and NCCL are usable and every process gets its own GPU
+    (process ``LOCAL_RANK`` drives ``cuda:LOCAL_RANK``), else ``"gloo"`` (CPU
+    processes). So the same code runs 2 processes on a laptop (gloo), on a
+    1-GPU machine (gloo: two processes cannot share one GPU under NCCL) and on
+    2+ GPUs (nccl). ``launch()`` and ``init_distributed()`` choose with it;
+    inside a process, ``rank_device()`` then names the device to use.
+    """
+    return "nccl" if nccl_available() and processes_per_node <= gpu_count() else "gloo"
 
 
 def check_backend(name: str) -> str:

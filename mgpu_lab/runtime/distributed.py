@@ -145,7 +145,8 @@ def dist_env(environ: Optional[Mapping[str, str]] = None, argv: Optional[Sequenc
 def init_distributed(backend: Optional[str] = None, timeout: timedelta = DEFAULT_TIMEOUT) -> DistEnv:
     """Join the default process group described by ``dist_env()``; return the ``DistEnv``.
 
-    ``backend=None`` picks nccl with GPUs, gloo without. On GPUs, the process
+    ``backend=None`` picks with ``devices.backend(LOCAL_WORLD_SIZE)``: nccl when
+    every process on this node gets its own GPU, gloo otherwise. On GPUs, the process
     first binds to ``cuda:LOCAL_RANK`` (each process drives one GPU). Every
     collective then waits at most ``timeout`` before it raises. Calling it again
     in a process that already joined returns the environment unchanged.
@@ -153,7 +154,7 @@ def init_distributed(backend: Optional[str] = None, timeout: timedelta = DEFAULT
     env = dist_env()
     if dist.is_initialized():
         return env
-    name = check_backend(backend or default_backend())
+    name = check_backend(backend or default_backend(env.local_world_size))
     if name == "nccl":
         if env.local_rank >= gpu_count():
             raise RuntimeError(

@@ -87,7 +87,12 @@ def report() -> str:
     else:
         lines.append("GPUs          none: the labs use CPU virtual devices (processes over gloo)")
     lines.append(f"gloo          {'available' if dist.is_gloo_available() else 'missing'}")
-    lines.append(f"backend       {backend()}  (what init_distributed() and launch() choose)")
+    if gpus:
+        lines.append(f"backend       {backend(gpus)} for up to {gpus} process(es) per node, one GPU each; "
+                     f"{backend(gpus + 1)} beyond (what launch() and init_distributed() choose)")
+    else:
+        lines.append(f"backend       {backend()}  (what launch() and init_distributed() choose)")
+    lines.append("device        inside a process, mgpu_lab.rank_device(): cuda:LOCAL_RANK under nccl, else cpu")
     lines.append("environment")
     for name in ENV_VARS:
         lines.append(f"  {name:<22}{os.environ.get(name, '(unset)')}")

@@ -11,71 +11,77 @@ This is ``torch.multiprocessing.spawn`` made safe for notebooks and tests::
 
 What it does, and why:
 
-* **fork by default** (Linux, macOS when asked): the children inherit the parent's
-  memory, so ``fn`` may be defined in a notebook cell or be a closure. CUDA cannot
-  survive a fork: if the parent already initialised CUDA, ``launch`` refuses with
-  advice instead of letting the children crash. ``start_method="spawn"`` starts
-  fresh interpreters instead; then ``fn`` and ``args`` must be picklable, so
-  ``fn`` must live in an importable ``.py`` module (not a notebook cell).
+* **fork when that is safe, fresh processes otherwise.** A forked child inherits
+  the parent's memory, so ``fn`` may be a notebook cell's function, a closure or
+  a lambda, and starting costs milliseconds. But CUDA cannot survive a fork: once
+  the parent initialised CUDA (any ``.cuda()``, a ``torch.cuda`` call that made a
+  context), ``launch`` starts the ranks from a **forkserver** instead: a clean
+  process with torch already imported, started once (about 2 s) and forked for
+  every later launch (a fraction of a second). ``fn`` and ``args`` then travel by
+  value with ``cloudpickle``, so the same cell works unchanged; an argument that
+  cannot be serialised (a lock, an open file) is named in the error.
+  ``start_method="spawn"`` (a new interpreter per rank, seconds each time) and
+  ``"forkserver"`` can be asked for. Scripts that launch in fresh processes need
+  the usual ``if __name__ == "__main__":`` guard (notebooks do not).
 * **one rendezvous store, held by the parent** on a free port of 127.0.0.1, made
   once every rank is started (a fork next to the store's running thread can
   deadlock a child) and sent to each rank over a pipe; the port is never given
   up and re-taken, so two launches never race for it.
-* **output in rank order**: each rank's stdout and stderr (file descriptors 1 and
-  2, so C++ output too) go to files; the parent prints them after the ranks end,
-  rank 0 first, each line prefixed ``[rank R]``. Cell outputs are deterministic.
-* **failures surface in the parent**: a rank that raises makes ``launch`` raise
-  ``LaunchError`` with that rank's traceback (the first rank to fail is the root
-  cause; the others usually fail because their peer vanished). A run that
-  outlives ``timeout`` seconds raises ``TimeoutError`` naming the ranks still
-  running, and each of them first prints its Python stack (where it waits).
-  Either way, and on Ctrl-C, every child and its own children are killed
-  before ``launch`` returns: no process is left behind.
+* **output**: each rank's stdout and stderr (fds 1 and 2, so C++ output too) go
+  to files. Rank 0's appear live, as they are written (progress bars, prints in
+  a long loop); the other ranks' are printed when they end, in rank order. Every
+  line is prefixed ``[rank R]``, and a cell's final output is deterministic.
+* **failures surface in the parent** as ``LaunchError`` with the root cause:
+  the rank the parent saw fail first, with its traceback, or the signal that
+  killed it (and the Python stack ``faulthandler`` printed), and where the
+  other ranks waited ("rank 1 returned from fn while rank 0 was still in
+  barrier()"). A run that outlives ``timeout`` raises ``TimeoutError`` naming
+  the ranks still running and the call each waits in. Either way, and on
+  Ctrl-C, every rank and its own children are killed: no process is left behind.
 * **one thread per CPU rank**, as torchrun and DataLoader workers do: GNU
   OpenMP cannot be used in a forked child once the parent has run a parallel
   region (the child hangs in its first large op), and N ranks on N cores are
-  busy anyway. Do not raise ``torch.set_num_threads`` inside ``fn``; use
-  ``start_method="spawn"`` if a rank needs several threads.
+  busy anyway. Do not raise ``torch.set_num_threads`` inside a forked ``fn``.
 """
 from __future__ import annotations
 
-import ctypes
-import faulthandler
-import io
 import multiprocessing as mp
 import os
 import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
-from .devices import check_backend, gpu_count, nccl_available
+from . import _diagnosis as diagnosis
+from ._rank_output import RankOutput
+from ._start_methods import choose_start_method, serialize_job, start_ranks
+from ._workers import STACK_DUMP_SIGNAL, output_path
+from .devices import backend as backend_for
+from .devices import check_backend, gpu_count
 
 DEFAULT_TIMEOUT = 300.0
 FAILURE_GRACE_SECONDS = 3.0  # after a rank fails, how long the others get to notice and exit
-STACK_DUMP_SIGNAL = signal.SIGUSR1  # on a timeout, each hung rank prints its Python stacks
-STACK_DUMP_SECONDS = 0.5  # how long they get to write them
+STACK_DUMP_SECONDS = 0.5  # how long hung ranks get to print their stacks
+COLLECTIVE_TIMEOUT_MARGIN = 10.0  # collectives time out this much after the run, so the parent's diagnosis wins
+OUTPUT_POLL_SECONDS = 0.1  # how often rank 0's new output is echoed
 
 
 class LaunchError(RuntimeError):
-    """A rank failed. ``rank`` is the first rank that failed; ``failures`` maps every
-    failed rank to its error text (traceback, or exit code when it had none)."""
+    """A rank failed. ``rank`` is the root cause: the first rank the parent saw fail.
+    ``failures`` maps every failed rank to its error text (traceback, or how it died)."""
 
-    def __init__(self, rank: int, failures: Dict[int, str]):
+    def __init__(self, rank: int, failures: Dict[int, str], note: str = ""):
         self.rank = rank
         self.failures = failures
         others = sorted(r for r in failures if r != rank)
         also = f" (then rank(s) {others} failed too)" if others else ""
-        super().__init__(f"rank {rank} failed{also}:\n{failures[rank]}")
+        super().__init__(f"{note}rank {rank} failed first{also}:\n{failures[rank]}")
 
 
 def launch(
@@ -90,8 +96,10 @@ def launch(
 
     Returns the ranks' return values in rank order. ``backend=None`` picks nccl
     when there is a GPU for every rank (rank r drives ``cuda:r``), else gloo
-    (CPU processes); inside ``fn``, ``mgpu_lab.rank_device()`` is the device to use. ``timeout`` (seconds)
-    bounds the whole run and every collective inside it.
+    (CPU processes); inside ``fn``, ``mgpu_lab.rank_device()`` is the device to
+    use. ``start_method=None`` forks when that is safe, else uses a forkserver
+    (see the module docstring). ``timeout`` (seconds) bounds the whole run and
+    every collective inside it.
     """
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"launch(nprocs={nprocs!r}): nprocs must be an int >= 1")
@@ -103,90 +111,40 @@ def launch(
             f"launch(nprocs={nprocs}) with nccl needs one GPU per process, but {gpu_count()} are visible: "
             f"use nprocs <= {gpu_count()}, or backend='gloo' to run CPU processes."
         )
-    method = _start_method(start_method)
-    if method == "spawn":
-        _check_picklable(fn, args)
+    method = choose_start_method(start_method)
+    job = (fn, tuple(args)) if method == "fork" else serialize_job(fn, args)
 
     workdir = tempfile.mkdtemp(prefix="mgpu_lab_launch_")
-    ctx = mp.get_context(method)
+    output = RankOutput(workdir, nprocs)
     procs: List[mp.process.BaseProcess] = []
     store = None
     try:
-        ports = []  # the parent's ends of one pipe per rank, to send it the store's port
-        for rank in range(nprocs):
-            port_in, port_out = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_worker,
-                args=(fn, tuple(args), rank, nprocs, port_in, name, timeout, workdir),
-                name=f"mgpu_lab-rank{rank}",
-            )
-            proc.start()
-            port_in.close()
-            procs.append(proc)
-            ports.append(port_out)
-        # The store (and its server thread) exists only once every rank is forked; see _send_port.
-        store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs + 1, is_master=True,
-                              timeout=timedelta(seconds=timeout), wait_for_workers=False)
-        for port_out in ports:
-            _send_port(port_out, store.port)
-        still_running = _wait_for(procs, timeout)
-        _dump_stacks([procs[rank] for rank in still_running])
-    finally:
-        _kill_all(procs)
-        del store
-    try:
-        _print_outputs(nprocs, workdir)
-        results = [_read_result(rank, procs[rank].exitcode, workdir) for rank in range(nprocs)]
+        try:
+            ports = start_ranks(method, job, nprocs, name, timeout + COLLECTIVE_TIMEOUT_MARGIN, workdir, procs)
+            # The store (and its server thread) exists only once every rank is started; see _send_port.
+            store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs + 1, is_master=True,
+                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
+            for port_out in ports:
+                _send_port(port_out, store.port)
+            still_running, seen = _supervise(procs, timeout, output)
+            _dump_stacks([procs[rank] for rank in still_running])
+        finally:
+            _kill_all(procs)
+            del store
+            output.finish()
+        results = [_read_result(rank, procs[rank].exitcode, workdir, output) for rank in range(nprocs)]
+        waits = {rank: _where(rank, results[rank], output) for rank in range(nprocs) if not results[rank]["ok"]}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-
-    failures = {rank: r["error"] for rank, r in enumerate(results) if not r["ok"] and rank not in still_running}
-    if failures:
-        first = min(failures, key=lambda rank: results[rank]["time"])
-        raise LaunchError(first, failures)
-    if still_running:
-        raise TimeoutError(
-            f"launch: rank(s) {still_running} of {nprocs} were still running after {timeout:g} s and were killed. "
-            "A rank waiting in a collective that another rank never reached is the usual cause "
-            "(a rank-dependent branch, or ranks running different numbers of steps)."
-        )
-    return [r["value"] for r in results]
+    return _outcome(results, still_running, seen, waits, timeout)
 
 
 def default_launch_backend(nprocs: int) -> str:
-    """nccl when NCCL works and every one of ``nprocs`` ranks gets its own GPU, else gloo.
-
-    So the same notebook runs 2 ranks on a laptop (gloo), on a 1-GPU machine
-    (gloo: two ranks cannot share one GPU under NCCL) and on 2+ GPUs (nccl).
-    """
-    return "nccl" if nccl_available() and nprocs <= gpu_count() else "gloo"
+    """nccl when every one of ``nprocs`` ranks gets its own GPU, else gloo: ``devices.backend(nprocs)``."""
+    return backend_for(nprocs)
 
 
 # --------------------------------------------------------------------------- parent side
-
-def _start_method(start_method: Optional[str]) -> str:
-    method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    if method not in mp.get_all_start_methods():
-        raise ValueError(f"start_method={method!r} is not available here; use one of {mp.get_all_start_methods()}")
-    if method == "fork" and torch.cuda.is_initialized():
-        raise RuntimeError(
-            "CUDA was initialised in this process before launch() forked its workers, and a forked child "
-            "cannot use CUDA. Restart the kernel (or process) and call launch() before anything touches the "
-            "GPU in the parent (no .cuda(), .to('cuda'), torch.cuda.* calls that create a context). Or pass "
-            "start_method='spawn' with fn defined in an importable .py module."
-        )
-    return method
-
-
-def _check_picklable(fn: Callable, args: Sequence[Any]) -> None:
-    try:
-        pickle.dumps((fn, tuple(args)))
-    except Exception as exc:  # pickling errors come in several types
-        raise ValueError(
-            f"start_method='spawn' pickles fn and args, and that failed ({exc}). Define fn at the top level "
-            "of an importable .py module (a notebook cell or a closure cannot be pickled), or use 'fork'."
-        ) from None
-
 
 def _send_port(conn, port: int) -> None:
     """Tell a started rank where the rendezvous store listens.
@@ -205,26 +163,37 @@ def _send_port(conn, port: int) -> None:
         conn.close()
 
 
-def _wait_for(procs: Sequence[mp.process.BaseProcess], timeout: float) -> List[int]:
-    """Wait until all ranks exit, a rank fails (then give the rest a grace period),
-    or the deadline passes. Returns the ranks still running at the end."""
+def _supervise(procs, timeout: float, output: RankOutput) -> Tuple[List[int], Dict[int, int]]:
+    """Echo rank 0's output and wait until all ranks exit, a rank fails (then give the
+    rest a grace period), or the deadline passes. Returns the ranks still running and,
+    for each rank that ended, the order in which the parent saw it end (0 first)."""
     deadline = time.monotonic() + timeout
+    seen: Dict[int, int] = {}
+    wake = 0
     while True:
+        # A rank has ended when its sentinel is ready (a dying process closes it as it releases its
+        # files, before its exit code can be read: a rank killed while it had many threads may take
+        # longer to become a zombie than its peer takes to raise "connection closed").
+        ready = set(wait([p.sentinel for r, p in enumerate(procs) if r not in seen], timeout=0))
+        for rank, proc in enumerate(procs):
+            if rank not in seen and (proc.sentinel in ready or proc.exitcode is not None):
+                seen[rank] = wake  # ranks seen in the same wake-up tie
+        wake += 1
+        output.pump()
         alive = [p for p in procs if p.exitcode is None]
-        failed = any(p.exitcode not in (None, 0) for p in procs)
         if not alive:
-            return []
-        if failed:
+            return [], seen
+        if any(p.exitcode not in (None, 0) for p in procs):
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_SECONDS)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return [rank for rank, p in enumerate(procs) if p.exitcode is None]
-        wait([p.sentinel for p in alive], timeout=min(remaining, 1.0))
+            return [rank for rank, p in enumerate(procs) if p.exitcode is None], seen
+        wait([p.sentinel for p in alive], timeout=min(remaining, OUTPUT_POLL_SECONDS))
 
 
-def _dump_stacks(procs: Sequence[mp.process.BaseProcess]) -> None:
+def _dump_stacks(procs) -> None:
     """Ask hung ranks to write every thread's Python stack to their stderr (printed
-    with their output): where each rank waits is what debugging a hang needs."""
+    with their output, and read to say where each rank waits)."""
     for proc in procs:
         try:
             os.kill(proc.pid, STACK_DUMP_SIGNAL)
@@ -234,13 +203,13 @@ def _dump_stacks(procs: Sequence[mp.process.BaseProcess]) -> None:
         time.sleep(STACK_DUMP_SECONDS)
 
 
-def _kill_all(procs: Sequence[mp.process.BaseProcess]) -> None:
+def _kill_all(procs) -> None:
     """SIGKILL each rank's whole process group (its DataLoader workers too), then reap."""
     for proc in procs:
         if proc.pid is None:
             continue
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # each rank leads its own group (see _worker)
+            os.killpg(proc.pid, signal.SIGKILL)  # each rank leads its own group (see run_rank)
         except (ProcessLookupError, PermissionError):
             pass
         if proc.exitcode is None:
@@ -250,92 +219,41 @@ def _kill_all(procs: Sequence[mp.process.BaseProcess]) -> None:
             proc.join(timeout=10)
 
 
-def _print_outputs(nprocs: int, workdir: str) -> None:
-    for stream_name, stream in (("out", sys.stdout), ("err", sys.stderr)):
-        for rank in range(nprocs):
-            path = os.path.join(workdir, f"rank{rank}.{stream_name}")
-            if not os.path.exists(path):
-                continue
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for line in f.read().splitlines():
-                    print(f"[rank {rank}] {line}", file=stream)
-        stream.flush()
-
-
-def _read_result(rank: int, exitcode: Optional[int], workdir: str) -> Dict[str, Any]:
-    path = os.path.join(workdir, f"rank{rank}.result")
+def _read_result(rank: int, exitcode: Optional[int], workdir: str, output: RankOutput) -> Dict[str, Any]:
     try:
-        with open(path, "rb") as f:
+        with open(output_path(workdir, rank, "result"), "rb") as f:
             return pickle.load(f)
     except (OSError, EOFError, pickle.UnpicklingError):
         pass
-    if exitcode is None:
-        how = "was killed (still running)"
-    elif exitcode < 0:
-        how = f"was killed by signal {signal.Signals(-exitcode).name}"
-    else:
-        how = f"exited with code {exitcode}"
+    except Exception as exc:  # a value that came back by value but cannot be rebuilt here
+        return {"ok": False, "time": float("inf"), "type": type(exc).__name__,
+                "error": f"rank {rank}'s return value could not be unpickled in the parent: {exc!r}"}
     return {"ok": False, "time": float("inf"),
-            "error": f"rank {rank} {how} without a Python traceback (see its [rank {rank}] output above)"}
+            "error": diagnosis.exit_without_result(rank, exitcode, output.text(rank, "err"))}
 
 
-# --------------------------------------------------------------------------- child side
+def _where(rank: int, result: Dict[str, Any], output: RankOutput) -> Optional[str]:
+    if "type" in result:  # it raised: its traceback says where
+        return diagnosis.where(diagnosis.traceback_frames(result["error"]))
+    return diagnosis.hung_rank_place(output.text(rank, "err"))
 
-def _worker(fn, args, rank, world_size, port_in, backend, timeout, workdir) -> None:
-    os.setsid()  # own process group: the parent can kill this rank and all it started
-    _die_with_parent()
-    _redirect_output(rank, workdir)
-    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True)
-    result: Dict[str, Any]
-    try:
-        if not port_in.poll(timeout):  # see _send_port
-            raise TimeoutError(f"rank {rank}: the launching process sent no rendezvous port within {timeout:g} s")
-        port = port_in.recv()
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
+
+def _outcome(results, still_running, seen, waits, timeout) -> List[Any]:
+    nprocs = len(results)
+    returned = [rank for rank, r in enumerate(results) if r["ok"]]
+    failures = {rank: r["error"] for rank, r in enumerate(results) if not r["ok"] and rank not in still_running}
+    if failures:
+        first = diagnosis.root_cause(list(failures), seen, results)
+        note = diagnosis.returned_while_waiting(returned, {first: waits.get(first)})
+        if still_running:
+            note += f"(rank(s) {still_running} were still running {FAILURE_GRACE_SECONDS:g} s later and were killed)\n"
+        raise LaunchError(first, failures, note)
+    if still_running:
+        places = "".join(f"\n  rank {rank} was in {waits.get(rank) or 'an unknown place'}" for rank in still_running)
+        raise TimeoutError(
+            f"launch: rank(s) {still_running} of {nprocs} were still running after {timeout:g} s and were killed."
+            f"{places}\n" + diagnosis.returned_while_waiting(returned, {r: waits.get(r) for r in still_running})
+            + "A rank waiting in a collective that another rank never reached is the usual cause "
+            "(a rank-dependent branch, or ranks running different numbers of steps)."
         )
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        else:
-            torch.set_num_threads(1)  # see "one thread per CPU rank" in the module docstring
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
-                              timeout=timedelta(seconds=timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
-        value = fn(*args)
-        result = {"ok": True, "value": value, "time": time.time()}
-        payload = pickle.dumps(result)
-        dist.destroy_process_group()
-    except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit included
-        text = traceback.format_exc()  # raised again in the parent, so not printed here
-        result = {"ok": False, "time": time.time(), "error": text, "type": type(exc).__name__}
-        try:
-            payload = pickle.dumps(result)
-        except Exception:
-            payload = pickle.dumps({**result, "type": "Exception"})
-    with open(os.path.join(workdir, f"rank{rank}.result"), "wb") as f:
-        f.write(payload)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if result["ok"] else 1)  # skip the parent's atexit handlers (a notebook kernel's)
-
-
-def _redirect_output(rank: int, workdir: str) -> None:
-    """Point fds 1 and 2 at this rank's files, and sys.stdout/err at them (line-buffered)."""
-    for fd, stream_name in ((1, "out"), (2, "err")):
-        target = os.open(os.path.join(workdir, f"rank{rank}.{stream_name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(target, fd)
-        os.close(target)
-    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
-    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
-    sys.stdin = open(os.devnull)
-
-
-def _die_with_parent() -> None:
-    """Linux: ask the kernel to kill this rank if the parent dies (no orphans even on SIGKILL)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    return [r["value"] for r in results]

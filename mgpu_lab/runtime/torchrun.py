@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import shlex
 import socket
 import sys
@@ -93,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
+
+    # A rank that dies by a signal (SIGSEGV, SIGABRT from std::terminate) prints its Python stack.
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
     try:
         torchrun_main(argv)

@@ -1,0 +1,131 @@
+"""launch(): rank 0's output live, the root cause of a failure, where hung ranks wait, no orphans."""
+import ctypes
+import io
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from mgpu_lab import LaunchError, launch
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+class _Watcher(io.StringIO):
+    """A stdout that creates ``flag`` as soon as ``needle`` is written to it."""
+
+    def __init__(self, needle, flag):
+        super().__init__()
+        self.needle, self.flag = needle, flag
+
+    def write(self, text):
+        if self.needle in self.getvalue() + text:
+            self.flag.touch()
+        return super().write(text)
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_rank_0_output_reaches_the_parent_while_it_runs(tmp_path, monkeypatch, stream):
+    flag = tmp_path / "parent_saw_it"
+    watcher = _Watcher("[rank 0] step 1", flag)
+    monkeypatch.setattr(sys, stream, watcher)
+
+    def fn():
+        if dist.get_rank() == 0:
+            out = sys.stdout if stream == "stdout" else sys.stderr
+            out.write("step 1\r")  # a progress bar's update: no newline yet
+            out.flush()
+            deadline = time.monotonic() + 20
+            while not flag.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)  # ends only once the parent has shown the line: it arrived live
+            out.write("step 2\n")
+            return flag.exists()
+        print("rank 1 done")
+        return True
+
+    assert launch(fn, nprocs=2, timeout=90) == [True, True]
+    assert watcher.getvalue() == "[rank 0] step 1\r[rank 0] step 2\n" + (
+        "[rank 1] rank 1 done\n" if stream == "stdout" else "")
+
+
+def test_a_rank_killed_by_sigkill_is_the_root_cause_and_named(tmp_path):
+    def fn():
+        (tmp_path / str(dist.get_rank())).write_text(str(os.getpid()))
+        if dist.get_rank() == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer does
+        dist.barrier()  # rank 0 waits here, then fails because its peer vanished
+        dist.barrier()
+
+    with pytest.raises(LaunchError) as info:
+        launch(fn, nprocs=2, timeout=60)
+    assert info.value.rank == 1
+    assert "rank 1 was killed by signal SIGKILL" in str(info.value)
+    assert "out-of-memory" in str(info.value)
+    pids = [int(f.read_text()) for f in tmp_path.iterdir()]
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def test_a_segfault_names_the_signal_and_shows_the_python_stack():
+    def crash_here():
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+    def fn():
+        if dist.get_rank() == 0:
+            time.sleep(0.3)
+            crash_here()
+        dist.barrier()
+
+    with pytest.raises(LaunchError) as info:
+        launch(fn, nprocs=2, timeout=60)
+    assert info.value.rank == 0
+    message = str(info.value)
+    assert "rank 0 was killed by signal SIGSEGV" in message
+    assert "in crash_here" in message and "test_launch_failures.py" in message  # faulthandler's stack
+
+
+def test_a_rank_that_returned_while_a_peer_waits_in_a_collective_is_named():
+    def fn():
+        if dist.get_rank() == 0:
+            dist.barrier()  # rank 1 never calls it
+
+    with pytest.raises((LaunchError, TimeoutError)) as info:
+        launch(fn, nprocs=2, timeout=15)
+    assert "rank 1 returned from fn while rank 0 was still in barrier()" in str(info.value)
+    assert "test_launch_failures.py" in str(info.value)  # where the barrier was called
+
+
+def test_a_hang_says_where_each_rank_waits():
+    def fn():
+        if dist.get_rank() == 1:
+            time.sleep(120)  # never reaches the barrier
+        dist.barrier()
+
+    with pytest.raises(TimeoutError) as info:
+        launch(fn, nprocs=2, timeout=4)
+    message = str(info.value)
+    assert "rank 0 was in barrier() (called at test_launch_failures.py:" in message
+    assert "rank 1 was in test_launch_failures.py:" in message and " in fn" in message
+
+
+def test_the_root_cause_is_the_first_rank_seen_failing_even_with_a_traceback():
+    def fn():
+        dist.barrier()  # both ranks are past init_process_group
+        if dist.get_rank() == 0:
+            raise ValueError("first")
+        time.sleep(1.0)
+        os._exit(2)  # fails later, and without a traceback
+
+    with pytest.raises(LaunchError) as info:
+        launch(fn, nprocs=2, timeout=60)
+    assert info.value.rank == 0 and "ValueError: first" in str(info.value)
+    assert "rank 1 exited with code 2" in info.value.failures[1]
