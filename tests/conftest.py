@@ -67,12 +67,30 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
 
 
+# multiprocessing's own service processes: one per test process, shared by every launch
+# that uses spawn or a forkserver, and ended with it. Not left-behind ranks.
+SERVICE_PROCESSES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def assert_no_children(grace: float = 10.0) -> None:
-    """Nothing this test process started is still running (forked ranks, torchrun and its workers)."""
+    """Nothing this test process started is still running (forked ranks, torchrun and its
+    workers), multiprocessing's own service processes aside."""
+    def children():
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                cmd, parent = " ".join(p.cmdline()), p.ppid()
+            except psutil.NoSuchProcess:
+                continue
+            service = parent == os.getpid() and any(s in cmd for s in SERVICE_PROCESSES)
+            if not service:  # a rank forked by the forkserver has its command line, not its parent
+                found.append(cmd)
+        return found
+
     deadline = time.monotonic() + grace
-    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+    while children() and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    left = children()
     assert not left, f"processes left behind: {left}"
 
 
