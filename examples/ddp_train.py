@@ -69,12 +69,10 @@ def main():
     warm = sorted(step_times[5:] or step_times)
     print0(json.dumps({"world_size": env.world_size, "steps": step, "final_loss": round(loss.item(), 4),
                        "median_step_s": warm[len(warm) // 2], "node_rank": env.node_rank}))
-    # Tear down in order: every rank done with its collectives and its I/O (rank 0 prints and
-    # saves) before any rank closes its connections, and DDP's reducer (which holds the process
-    # group and its pending work) freed while the interpreter is still whole, before the group.
+    # Every rank done with its collectives and its I/O (rank 0 prints and saves) before any
+    # rank closes its connections; then leave (exit=True: see mgpu_lab.cleanup).
     dist.barrier()
-    del model, optimizer
-    cleanup()
+    cleanup(exit=True)
 
 
 if __name__ == "__main__":

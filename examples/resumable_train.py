@@ -114,8 +114,10 @@ def main(argv=None):
     init_distributed()
     try:
         train(args)
-    finally:
+    except BaseException:
         cleanup()
+        raise
+    cleanup(exit=True)  # see mgpu_lab.cleanup
 
 
 if __name__ == "__main__":

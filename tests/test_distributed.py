@@ -104,3 +104,12 @@ def test_rank_device_is_this_ranks_gpu_under_nccl():
     from mgpu_lab import rank_device
 
     assert launch(lambda: str(rank_device()), nprocs=2) == ["cuda:0", "cuda:1"]
+
+
+def test_cleanup_exit_flushes_and_ends_the_process_at_once():
+    import subprocess
+    import sys
+    code = ("import atexit, sys; from mgpu_lab import cleanup; atexit.register(print, 'atexit ran'); "
+            "sys.stdout.write('kept'); cleanup(exit=True); print('never')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "kept")  # flushed, no atexit, nothing after

@@ -185,10 +185,22 @@ def _restart_safe_store(env: DistEnv, timeout: timedelta) -> Optional[dist.Store
     return dist.PrefixStore(f"mgpu_lab/attempt_{attempt}", client)
 
 
-def cleanup() -> None:
-    """Leave the process group (safe to call when none was joined)."""
+def cleanup(exit: bool = False) -> None:
+    """Leave the process group (safe to call when none was joined).
+
+    ``exit=True`` then ends the process at once (``os._exit(0)``, outputs
+    flushed): the last line of a training script. Why: with torch 2.13 on gloo,
+    a process group that ``DistributedDataParallel`` used is never freed (its
+    C++ reducer keeps it alive), and its threads can abort the interpreter's
+    shutdown ("terminate called without an active exception", SIGABRT) after all
+    the work is done, which torchrun then reports as a failed rank.
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+    if exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def rank_device() -> torch.device:
