@@ -22,6 +22,9 @@ Why these choices:
   work is asynchronous, and without it the clock measures only the launch of
   the kernels. ``before`` runs before each timed step (``dist.barrier`` makes
   every rank start a step together).
+* **clock**: wall time (``time.perf_counter``) by default; ``clock=time.process_time``
+  counts only this process's CPU time, which other programs on a shared CPU machine
+  do not inflate (single-threaded CPU work only: it misses time spent waiting).
 """
 from __future__ import annotations
 
@@ -47,8 +50,9 @@ def synchronize(device: Optional[torch.device] = None) -> None:
 
 def median_times(steps: Mapping[str, Callable[[], Any]], repeats: int = 10, warmup: int = 1,
                  device: Optional[torch.device] = None,
-                 before: Optional[Callable[[], Any]] = None) -> Dict[str, float]:
-    """Median seconds per call of each step, the steps interleaved, after ``warmup`` untimed rounds."""
+                 before: Optional[Callable[[], Any]] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> Dict[str, float]:
+    """Median seconds per call of each step (read on ``clock``), the steps interleaved, after ``warmup`` untimed rounds."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"median_times: repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     times: Dict[str, List[float]] = {name: [] for name in steps}
@@ -57,18 +61,19 @@ def median_times(steps: Mapping[str, Callable[[], Any]], repeats: int = 10, warm
             if before is not None:
                 before()
             synchronize(device)
-            start = time.perf_counter()
+            start = clock()
             step()
             synchronize(device)
             if round_ >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
 def median_time(step: Callable[[], Any], repeats: int = 10, warmup: int = 1,
-                device: Optional[torch.device] = None) -> float:
+                device: Optional[torch.device] = None, before: Optional[Callable[[], Any]] = None,
+                clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds per call of one step."""
-    return median_times({"step": step}, repeats, warmup, device)["step"]
+    return median_times({"step": step}, repeats, warmup, device, before, clock)["step"]
 
 
 class Table:
