@@ -23,9 +23,6 @@ and on CUDA the peak allocated memory of each.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,6 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from mgpu_lab import GradientAccumulator, launch, rank_device
+from mgpu_lab.measure.timing import Table, median_times, print_json
 
 
 def mlp(width: int, layers: int) -> nn.Sequential:
@@ -67,7 +65,7 @@ def _bench(width, layers, micro, k, steps):
     xs = [torch.randn(micro, width, device=device) for _ in range(k)]
     ys = [torch.randn(micro, width, device=device) for _ in range(k)]
     variants = ("no_sync (micro_step)", "all-reduce every micro-step")
-    accs, counts, times = {}, {}, {v: [] for v in variants}
+    accs, counts = {}, {}
     for v in variants:
         model = DistributedDataParallel(mlp(width, layers).to(device))
         counts[v] = [0]
@@ -87,24 +85,17 @@ def _bench(width, layers, micro, k, steps):
             else:
                 acc.backward(nn.functional.mse_loss(acc.model(x), y), len(x))
 
-    for v in variants:  # warm-up (DDP rebuilds its buckets after the first step)
+    # warm-up here, not in median_times: the all-reduce count starts after it
+    for v in variants:  # (DDP rebuilds its buckets after the first step)
         window(v)
         window(v)
     for v in variants:
         counts[v][0] = 0
-    for _ in range(steps):  # interleaved, so drifting machine load hits both alike
-        for v in variants:
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            window(v)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[v].append(time.perf_counter() - t0)
+    medians = median_times({v: (lambda v=v: window(v)) for v in variants}, repeats=steps, warmup=0,
+                           device=device, before=dist.barrier)
     out = {}
     for v in variants:
-        t = torch.tensor([statistics.median(times[v])], dtype=torch.float64, device=device)
+        t = torch.tensor([medians[v]], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[v] = dict(seconds=t.item(), allreduces_per_window=counts[v][0] / steps)
     return out
@@ -155,23 +146,21 @@ def main() -> None:
           f"{n_params * 4 / 2**20:.1f} MB of gradients; k = {args.k} micro-batches of {args.micro} per rank, "
           f"{args.nprocs} processes (torch DDP); median of {args.steps} windows")
     base = res["all-reduce every micro-step"]["seconds"]
-    head = f"{'variant':<30} {'bucket all-reduces/window':>26} {'window ms':>10} {'vs every-step':>14}"
-    print(head)
-    print("-" * len(head))
+    table = Table("window time (the slowest rank's)", {"variant": "", "bucket all-reduces/window": ".1f",
+                                                        "window ms": ".1f", "vs every-step": ".2f"})
     for v, r in res.items():
-        print(f"{v:<30} {r['allreduces_per_window']:>26.1f} {r['seconds'] * 1e3:10.1f} {r['seconds'] / base:13.2f}x")
+        table.add(v, r["allreduces_per_window"], r["seconds"] * 1e3, r["seconds"] / base)
+    table.print()
     ratio = res["no_sync (micro_step)"]["seconds"] / base
     print(f"\nno_sync / every-step: {ratio:.2f}x (target <= 0.9): {'met' if ratio <= 0.9 else 'NOT met'}")
-    print(f"\nactivation memory, batch B = {args.k * args.micro} vs micro-batch B/k = {args.micro}:")
+    memory = Table(f"activation memory, batch B = {args.k * args.micro} vs micro-batch B/k = {args.micro}",
+                   {"measure": "", "MiB": ".2f"})
     for name, b in mem.items():
-        print(f"  {name:<14} {b / 2**20:8.2f} MiB")
-    print(f"  saved B / saved B/k = {mem['saved B'] / mem['saved B/k']:.2f} (k = {args.k})")
-    print(json.dumps({"bench": "accum", "params_m": round(n_params / 1e6, 2), "k": args.k, "nprocs": args.nprocs,
-                      "window_ms": {v: round(r["seconds"] * 1e3, 2) for v, r in res.items()},
-                      "allreduces_per_window": {v: r["allreduces_per_window"] for v, r in res.items()},
-                      "ratio_no_sync_vs_every_step": round(ratio, 3),
-                      "memory_bytes": mem}))
-
+        memory.add(name, b / 2**20)
+    memory.print()
+    print(f"saved B / saved B/k = {mem['saved B'] / mem['saved B/k']:.2f} (k = {args.k})")
+    print_json("bench_accum", [table, memory], params_m=round(n_params / 1e6, 2), k=args.k, nprocs=args.nprocs,
+               ratio_no_sync_vs_every_step=round(ratio, 3), target_met=ratio <= 0.9, memory_bytes=mem)
 
 if __name__ == "__main__":
     main()
