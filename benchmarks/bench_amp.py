@@ -31,14 +31,12 @@ The last line is the results as JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import torch
 from torch import nn
 
 from mgpu_lab import LossScaler, amp_step, devices
+from mgpu_lab.measure.timing import Table, median_times, print_json, synchronize
 
 
 def block(dim: int, device: torch.device) -> nn.Module:
@@ -49,26 +47,6 @@ def block(dim: int, device: torch.device) -> nn.Module:
 
 def loss_fn(out, target):
     return out.float().pow(2).mean()
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_interleaved(fns: dict, steps: int, device) -> dict:
-    """Median seconds per call of each function, calls interleaved, after one warm-up call each."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(steps):
-        for name, fn in fns.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def saved_bytes(model, x, dtype) -> int:
@@ -134,17 +112,17 @@ def main() -> None:
             amp_step(models[mode], opts[mode], loss_fn, (x, None), scaler=scalers[mode], dtype=dtype)
         return step
 
-    times = time_interleaved({m: make_step(m) for m in modes}, args.steps, device)
+    times = median_times({m: make_step(m) for m in modes}, repeats=args.steps, warmup=1, device=device)
     set_tf32(False)
     act = {m: saved_bytes(models[m], x, modes[m][0]) for m in modes}
     peak = {}
     if gpu:
         for m in modes:
             make_step(m)()
-            sync(device)
+            synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             make_step(m)()
-            sync(device)
+            synchronize(device)
             peak[m] = torch.cuda.max_memory_allocated(device)
         set_tf32(False)
 
@@ -153,9 +131,9 @@ def main() -> None:
     sc_models = {k: block(dim, device) for k in ("LossScaler", "GradScaler")}
     sc_opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in sc_models.items()}
     sc = {"LossScaler": LossScaler(), "GradScaler": torch.amp.GradScaler(device.type)}
-    step_times = time_interleaved(
+    step_times = median_times(
         {k: (lambda k=k: amp_step(sc_models[k], sc_opts[k], loss_fn, (x, None), scaler=sc[k], dtype=low))
-         for k in sc}, args.steps, device)
+         for k in sc}, repeats=args.steps, warmup=1, device=device)
     # The scaler's own work alone, on the block's (already computed) gradients.
     noop = {k: _NoOpOptimizer(sc_models[k].parameters()) for k in sc}
     fresh = {"LossScaler": LossScaler(), "GradScaler": torch.amp.GradScaler(device.type)}
@@ -167,31 +145,35 @@ def main() -> None:
         s.unscale_(opt)
         s.step(opt)
         s.update()
-    own = time_interleaved({k: (lambda k=k: scaler_only(k)) for k in fresh}, max(args.steps, 50), device)
+    own = median_times({k: (lambda k=k: scaler_only(k)) for k in fresh}, repeats=max(args.steps, 50), warmup=1,
+                       device=device)
 
     n_params = sum(p.numel() for p in models["fp32"].parameters())
     print(f"device: {name}; TransformerEncoderLayer d={dim}, batch {batch} x seq {seq}, "
           f"{n_params / 1e6:.1f} M parameters; median of {args.steps} interleaved steps")
     if not gpu:
         print("CPU: measured fp32 and bf16 only (tf32 and fast fp16 are GPU features)")
-    head = f"{'mode':<12} {'step ms':>9} {'vs fp32':>8} {'activations MiB':>16} {'vs fp32':>8}"
-    head += f" {'peak MiB':>9} {'vs fp32':>8}" if gpu else ""
-    print(head)
-    print("-" * len(head))
+    columns = {"mode": "", "step ms": ".2f", "vs fp32": ".2f", "activations MiB": ".1f", "act. vs fp32": ".2f"}
+    if gpu:
+        columns.update({"peak MiB": ".0f", "peak vs fp32": ".2f"})
+    table = Table("median step time and memory, as ratios to fp32", columns)
     for m in modes:
-        line = (f"{m:<12} {times[m] * 1e3:9.2f} {times[m] / times['fp32']:7.2f}x "
-                f"{act[m] / 2**20:16.1f} {act[m] / act['fp32']:7.2f}x")
+        row = [m, times[m] * 1e3, times[m] / times["fp32"], act[m] / 2**20, act[m] / act["fp32"]]
         if gpu:
-            line += f" {peak[m] / 2**20:9.0f} {peak[m] / peak['fp32']:7.2f}x"
-        print(line)
+            row += [peak[m] / 2**20, peak[m] / peak["fp32"]]
+        table.add(*row)
+    table.print()
     ratio = step_times["LossScaler"] / step_times["GradScaler"]
-    own_ratio = own["LossScaler"] / own["GradScaler"]
-    print(f"\n{str(low)[6:]} step with LossScaler {step_times['LossScaler'] * 1e3:.2f} ms vs GradScaler "
-          f"{step_times['GradScaler'] * 1e3:.2f} ms: {ratio:.3f}x (target <= 1.05x): "
+    scalers_table = Table(f"{str(low)[6:]} step and scaler alone (unscale_ + step + update, "
+                          f"{sum(1 for _ in sc_models['LossScaler'].parameters())} gradients)",
+                          {"scaler": "", "step ms": ".2f", "vs GradScaler": ".3f", "alone us": ".0f",
+                           "alone vs GradScaler": ".2f"})
+    for k in sc:
+        scalers_table.add(k, step_times[k] * 1e3, step_times[k] / step_times["GradScaler"], own[k] * 1e6,
+                          own[k] / own["GradScaler"])
+    scalers_table.print()
+    print(f"\nLossScaler / GradScaler step: {ratio:.3f}x (target <= 1.05x): "
           f"{'met' if ratio <= 1.05 else 'NOT met'}")
-    print(f"scaler alone (unscale_ + step + update, {sum(1 for _ in sc_models['LossScaler'].parameters())} "
-          f"gradients): LossScaler {own['LossScaler'] * 1e6:.0f} us vs GradScaler {own['GradScaler'] * 1e6:.0f} us"
-          f" ({own_ratio:.2f}x)")
     derived = (step_times["GradScaler"] + own["LossScaler"] - own["GradScaler"]) / step_times["GradScaler"]
     print(f"LossScaler's extra work per step, from the scaler-alone timings: "
           f"{(own['LossScaler'] - own['GradScaler']) * 1e6:.0f} us = {derived:.4f}x of a GradScaler step "
@@ -199,14 +181,11 @@ def main() -> None:
     if gpu:
         r_t, r_m = times["bf16"] / times["fp32"], act["bf16"] / act["fp32"]
         print(f"bf16 vs fp32: time {r_t:.2f}x (target <= 0.5x), activations {r_m:.2f}x (target <= 0.6x)")
-    print(json.dumps({"device": name, "dim": dim, "seq": seq, "batch": batch,
-                      "step_ms": {m: round(t * 1e3, 3) for m, t in times.items()},
-                      "time_vs_fp32": {m: round(t / times["fp32"], 3) for m, t in times.items()},
-                      "activation_bytes": act, "peak_bytes": peak,
-                      "scaler_step_ms": {k: round(v * 1e3, 3) for k, v in step_times.items()},
-                      "losscaler_vs_gradscaler_step": round(ratio, 4),
-                      "losscaler_vs_gradscaler_step_derived": round(derived, 4),
-                      "scaler_alone_us": {k: round(v * 1e6, 1) for k, v in own.items()}}))
+    print_json("bench_amp", [table, scalers_table], device=name, dim=dim, seq=seq, batch=batch,
+               activation_bytes=act, peak_bytes=peak, losscaler_vs_gradscaler_step=round(ratio, 4),
+               losscaler_vs_gradscaler_step_derived=round(derived, 4), target_met=ratio <= 1.05,
+               bf16_time_vs_fp32=round(times["bf16"] / times["fp32"], 3),
+               bf16_activations_vs_fp32=round(act["bf16"] / act["fp32"], 3))
 
 
 if __name__ == "__main__":
