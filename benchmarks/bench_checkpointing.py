@@ -32,9 +32,7 @@ next to its backward). Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import statistics
 import time
 
 import torch
@@ -42,6 +40,7 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 from mgpu_lab import checkpoint_sequential, peak_memory, saved_tensor_bytes
+from mgpu_lab.measure.timing import Table, median_times, print_json
 
 
 class Block(nn.Module):
@@ -65,11 +64,6 @@ def transformer(layers: int, d_model: int = 128, dropout: float = 0.1) -> nn.Seq
                            for _ in range(layers)])
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def bench(model: nn.Sequential, x: torch.Tensor, steps: int):
     """Rows (setting, segments, saved bytes, GPU peak or None, median step seconds)."""
     n = len(model)
@@ -86,40 +80,29 @@ def bench(model: nn.Sequential, x: torch.Tensor, steps: int):
         model.zero_grad(set_to_none=True)
         run(x).float().pow(2).mean().backward()
 
-    def forward_only(_):  # with grad, as the recompute runs it (it records a graph)
+    def forward_only():  # with grad, as the recompute runs it (it records a graph)
         model(x)
 
-    times = {name: [] for name in list(runs) + ["forward"]}
-    todo = {**{name: (step, run) for name, run in runs.items()}, "forward": (forward_only, None)}
-    for f, run in todo.values():  # warm-up
-        f(run)
+    todo = {**{name: (lambda run=run: step(run)) for name, run in runs.items()}, "forward": forward_only}
     clock = time.perf_counter if device.type == "cuda" else time.process_time
-    for _ in range(steps):
-        for name, (f, run) in todo.items():
-            _sync(device)
-            t0 = clock()
-            f(run)
-            _sync(device)
-            times[name].append(clock() - t0)
+    times = median_times(todo, repeats=steps, warmup=1, device=device, clock=clock)
     rows = []
     for name, run in runs.items():
         saved = saved_tensor_bytes(run, x)
         peak = peak_memory(step, run) if device.type == "cuda" else None
-        rows.append((name, segs[name], saved, peak, statistics.median(times[name])))
-    return rows, root, statistics.median(times["forward"])
+        rows.append((name, segs[name], saved, peak, times[name]))
+    return rows, root, times["forward"]
 
 
-def report(title: str, rows, root: int, n: int, forward: float) -> dict:
+def report(title: str, rows, root: int, n: int, forward: float):
+    """Print the table of one model; return it and the summary at sqrt(n) segments."""
     base = {r[0]: r for r in rows}["plain"]
-    print(f"\n{title}")
-    head = f"{'setting':<16} {'segments':>8} {'saved MB':>9} {'x plain':>8} {'peak MB':>8} " \
-           f"{'x plain':>8} {'step ms':>8} {'x plain':>8}"
-    print(head)
-    print("-" * len(head))
+    table = Table(title, {"setting": "", "segments": "", "saved MB": ".2f", "saved x plain": ".2f",
+                          "peak MB": ".1f", "peak x plain": ".2f", "step ms": ".1f", "step x plain": ".2f"})
     for name, k, saved, peak, t in rows:
-        pk = f"{peak / 2**20:8.1f} {peak / base[3]:7.2f}x" if peak is not None else f"{'-':>8} {'-':>8}"
-        print(f"{name:<16} {k:>8} {saved / 2**20:9.2f} {saved / base[2]:7.2f}x {pk} "
-              f"{t * 1e3:8.1f} {t / base[4]:7.2f}x")
+        table.add(name, k, saved / 2**20, saved / base[2], None if peak is None else peak / 2**20,
+                  None if peak is None else peak / base[3], t * 1e3, t / base[4])
+    table.print()
     at = {r[0]: r for r in rows}[f"mgpu_lab k={root}"]
     torch_at = {r[0]: r for r in rows}[f"torch k={root}"]
     out = {"segments": root, "bytes_ratio": round(at[2] / base[2], 3),
@@ -138,7 +121,7 @@ def report(title: str, rows, root: int, n: int, forward: float) -> dict:
           f"{out['time_ratio']:.2f}x time (target <= 1.4x), {out['time_vs_torch']:.2f}x torch's "
           f"checkpoint_sequential: {'met' if ok else 'MISSED'}")
     out["target_met"] = ok
-    return out
+    return table, out
 
 
 def main() -> None:
@@ -160,17 +143,17 @@ def main() -> None:
     model = mlp(args.mlp_blocks, args.width).to(device)
     x = torch.randn(args.batch, args.width, device=device, requires_grad=True)
     rows, root, fwd = bench(model, x, args.steps)
-    results["mlp"] = report(f"{args.mlp_blocks}-block MLP, width {args.width} (hidden {4 * args.width}), "
+    mlp_table, results["mlp"] = report(f"{args.mlp_blocks}-block MLP, width {args.width} (hidden {4 * args.width}), "
                             f"batch {args.batch}", rows, root, args.mlp_blocks, fwd)
 
     model = transformer(args.tf_layers, dropout=args.tf_dropout).to(device)
     model.train()
     x = torch.randn(8, 64, 128, device=device, requires_grad=True)
     rows, root, fwd = bench(model, x, args.steps)
-    results["transformer"] = report(f"{args.tf_layers}-layer transformer encoder, d_model 128, 4 heads, "
+    tf_table, results["transformer"] = report(f"{args.tf_layers}-layer transformer encoder, d_model 128, 4 heads, "
                                     f"batch 8 x 64 tokens, dropout {args.tf_dropout}", rows, root,
                                     args.tf_layers, fwd)
-    print(json.dumps({"bench": "checkpointing", **results}))
+    print_json("bench_checkpointing", [mlp_table, tf_table], clock=clock, **results)
 
 
 if __name__ == "__main__":
