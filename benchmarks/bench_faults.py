@@ -19,49 +19,39 @@ costs; the trace is switched on while hunting a hang), measured so you know them
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 
 from mgpu_lab import collective_trace, launch, save_checkpoint
+from mgpu_lab.measure.timing import Table, median_time, median_times, print_json
 
 
 def bench_save(mb: int, repeats: int):
     state = {"weights": torch.randn(mb * 2 ** 20 // 4), "step": 1}
     folder = tempfile.mkdtemp(prefix="bench_faults_")
-    plain, atomic = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.save(state, os.path.join(folder, "plain.pt"))
-        plain.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        save_checkpoint(os.path.join(folder, "atomic.pt"), **state)
-        atomic.append(time.perf_counter() - start)
+    times = median_times({"torch.save": lambda: torch.save(state, os.path.join(folder, "plain.pt")),
+                          "save_checkpoint": lambda: save_checkpoint(os.path.join(folder, "atomic.pt"), **state)},
+                         repeats=repeats, warmup=0)
     for name in ("plain.pt", "atomic.pt"):
         os.remove(os.path.join(folder, name))
     os.rmdir(folder)
-    return statistics.median(plain), statistics.median(atomic)
+    return times["torch.save"], times["save_checkpoint"]
 
 
 def _allreduce_times(calls: int, numel: int):
     x = torch.ones(numel)
 
-    def timed():
-        dist.barrier()
-        start = time.perf_counter()
+    def calls_in_a_row():
         for _ in range(calls):
             dist.all_reduce(x)
-        return (time.perf_counter() - start) / calls
 
-    plain = [timed() for _ in range(3)]
+    plain = median_time(calls_in_a_row, repeats=3, warmup=0, before=dist.barrier) / calls
     with collective_trace(timeout=60):
-        traced = [timed() for _ in range(3)]
-    return statistics.median(plain), statistics.median(traced)
+        traced = median_time(calls_in_a_row, repeats=3, warmup=0, before=dist.barrier) / calls
+    return plain, traced
 
 
 def main():
@@ -77,16 +67,18 @@ def main():
     plain_ar = max(r[0] for r in ranks)
     traced_ar = max(r[1] for r in ranks)
 
-    print(f"{'measurement':<44}{'baseline':>12}{'ours':>12}{'ratio':>8}")
-    print(f"{f'save {args.mb} MiB: torch.save vs save_checkpoint':<44}{plain_save * 1e3:>10.1f}ms"
-          f"{atomic_save * 1e3:>10.1f}ms{atomic_save / plain_save:>7.2f}x")
-    print(f"{f'all_reduce({args.numel}) x2 ranks: untraced vs traced':<44}{plain_ar * 1e6:>10.0f}us"
-          f"{traced_ar * 1e6:>10.0f}us{traced_ar / plain_ar:>7.2f}x")
-    print(json.dumps({"bench": "faults", "save_mb": args.mb, "torch_save_s": round(plain_save, 4),
-                      "save_checkpoint_s": round(atomic_save, 4), "save_ratio": round(atomic_save / plain_save, 3),
-                      "allreduce_numel": args.numel, "untraced_us": round(plain_ar * 1e6, 1),
-                      "traced_us": round(traced_ar * 1e6, 1), "trace_overhead_us": round((traced_ar - plain_ar) * 1e6, 1),
-                      "trace_ratio": round(traced_ar / plain_ar, 3), "device": "cpu/gloo"}))
+    table = Table("what fault tolerance costs", {"measurement": "", "unit": "", "baseline": ".1f", "ours": ".1f",
+                                                 "ratio": ".2f"})
+    table.add(f"save {args.mb} MiB: torch.save vs save_checkpoint", "ms", plain_save * 1e3, atomic_save * 1e3,
+              atomic_save / plain_save)
+    table.add(f"all_reduce({args.numel}) x2 ranks: untraced vs traced", "us", plain_ar * 1e6, traced_ar * 1e6,
+              traced_ar / plain_ar)
+    table.print()
+    print_json("bench_faults", [table], save_mb=args.mb, torch_save_s=round(plain_save, 4),
+               save_checkpoint_s=round(atomic_save, 4), save_ratio=round(atomic_save / plain_save, 3),
+               allreduce_numel=args.numel, untraced_us=round(plain_ar * 1e6, 1), traced_us=round(traced_ar * 1e6, 1),
+               trace_overhead_us=round((traced_ar - plain_ar) * 1e6, 1), trace_ratio=round(traced_ar / plain_ar, 3),
+               device="cpu/gloo")
 
 
 if __name__ == "__main__":
