@@ -15,25 +15,23 @@ for the class with --jobs 1 and --jobs 2; then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from mgpu_lab.course.classroom import find_submissions, grade_class
 from mgpu_lab.course.grader import load_solutions
 from mgpu_lab.course.sandbox import Limits, Sandbox, probe
+from mgpu_lab.measure.timing import Table, median_time, median_times, print_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "tests" / "data" / "grader"
 
 
-def timed_grade(submissions, labs, box, jobs=1):
-    start = time.perf_counter()
+def grade_all(submissions, labs, box, jobs=1):
+    """Grade every submission; each must get full marks (the benchmark grades correct notebooks)."""
     grades = grade_class(submissions, labs, box, Limits(), 300.0, 1800.0, jobs, progress=False)
-    return time.perf_counter() - start, grades
+    assert all(g.score == g.max_score > 0 for g in grades), grades
 
 
 def main() -> None:
@@ -50,22 +48,15 @@ def main() -> None:
     off = Sandbox(False, "benchmark baseline")
     labs = load_solutions(ROOT / "solutions")
     solution = [("teacher", ROOT / "solutions" / f"{args.lab}.ipynb")]
-    times = {"sandbox": [], "none": []}
-    for _ in range(args.repeats):
-        for name, b in (("none", off), ("sandbox", box)):
-            if name == "sandbox" and not box.available:
-                continue
-            seconds, grades = timed_grade(solution, labs, b)
-            g = grades[0]
-            assert g.score == g.max_score > 0, (name, g)
-            times[name].append(seconds)
-    med = {k: statistics.median(v) for k, v in times.items() if v}
+    boxes = {"none": off, "sandbox": box} if box.available else {"none": off}
+    med = median_times({name: (lambda b=b: grade_all(solution, labs, b)) for name, b in boxes.items()},
+                       repeats=args.repeats, warmup=0)  # alternating, no sandbox first
     ratio = med["sandbox"] / med["none"] if "sandbox" in med else None
-    print(f"\n(a) grading solutions/{args.lab}.ipynb, median of {args.repeats}")
-    print(f"{'':<12} {'seconds':>8} {'ratio':>7}")
-    for name in ("none", "sandbox"):
-        if name in med:
-            print(f"{name:<12} {med[name]:8.1f} {med[name] / med['none']:6.2f}x")
+    grading = Table(f"(a) grading solutions/{args.lab}.ipynb, median of {args.repeats}",
+                    {"sandbox": "", "seconds": ".1f", "ratio": ".2f"})
+    for name, t in med.items():
+        grading.add(name, t, t / med["none"])
+    grading.print()
     if ratio is not None:
         print(f"sandbox / no sandbox: {ratio:.2f}x (target <= 1.5x): "
               f"{'ok' if ratio <= 1.5 else 'OVER'}")
@@ -77,20 +68,19 @@ def main() -> None:
         submissions = find_submissions([tmp])
         class_labs = load_solutions(args.class_solutions)
         for jobs in (1, 2):
-            seconds, grades = timed_grade(submissions, class_labs, box, jobs)
-            assert all(g.score == g.max_score > 0 for g in grades), grades
+            seconds = median_time(lambda: grade_all(submissions, class_labs, box, jobs), repeats=1, warmup=0)
             per_notebook[jobs] = seconds / len(submissions)
-    print(f"\n(b) a class of {args.students} notebooks ({args.class_notebook.name}), "
-          f"{'sandboxed' if box.available else 'no sandbox'}")
-    print(f"{'jobs':<6} {'s/notebook':>10} {'speed-up':>9}")
+    klass = Table(f"(b) a class of {args.students} notebooks ({args.class_notebook.name}), "
+                  f"{'sandboxed' if box.available else 'no sandbox'}",
+                  {"jobs": "", "s/notebook": ".2f", "speed-up": ".2f"})
     for jobs, s in per_notebook.items():
-        print(f"{jobs:<6} {s:10.2f} {per_notebook[1] / s:8.2f}x")
-    print(json.dumps({"bench": "grader", "lab": args.lab, "sandbox": box.available,
-                      "grade_s": {k: round(v, 2) for k, v in med.items()},
-                      "sandbox_ratio": round(ratio, 3) if ratio else None,
-                      "class_students": args.students,
-                      "class_s_per_notebook": {f"jobs{j}": round(s, 2)
-                                               for j, s in per_notebook.items()}}))
+        klass.add(jobs, s, per_notebook[1] / s)
+    klass.print()
+    print_json("bench_grader", [grading, klass], lab=args.lab, sandbox=box.available,
+               grade_s={k: round(v, 2) for k, v in med.items()},
+               sandbox_ratio=round(ratio, 3) if ratio else None, target_met=ratio <= 1.5 if ratio else None,
+               class_students=args.students,
+               class_s_per_notebook={f"jobs{j}": round(s, 2) for j, s in per_notebook.items()})
 
 
 if __name__ == "__main__":

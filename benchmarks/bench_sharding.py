@@ -6,8 +6,9 @@ Options: --nprocs 2 4 (default both), --width (default 800), --layers (default 8
 5.1 M parameters; 8 equal layers split evenly over 2 and 4 ranks), --batch (per rank, default 32), --steps (timed, default 8).
 CPU: gloo; with a GPU per rank, NCCL on cuda:rank.
 
-One step = zero_grad, forward, loss, backward, gradient sync, AdamW step; the
-figure is the median over steps of the slowest rank's time. Bytes per rank are
+One step = zero_grad, forward, loss, backward, gradient sync, AdamW step; the four
+wrappers take turns step by step (interleaved), and the figure is the slowest rank's
+median step time. Bytes per rank are
 measured after a step: every storage held by the parameters, their gradients
 and the optimizer state on that rank (each storage once; DTensors by their local
 shard), against the ZeRO formulas for fp32 AdamW (4 + 4 + 8 bytes per parameter,
@@ -17,9 +18,6 @@ own FSDP <= 1.3x torch fully_shard's step time; bytes within 10 % of the formula
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mgpu_lab import FSDP, ShardedOptimizer, launch, rank_device, zero_bytes_per_rank
+from mgpu_lab.measure.timing import Table, median_times, print_json
 
 LR = 1e-3
 
@@ -90,30 +89,24 @@ def _bench(width, layers, batch, steps):
     torch.manual_seed(dist.get_rank())
     x = torch.randn(batch, width, device=device)
     y = torch.randn(batch, width, device=device)
+    made = {kind: _make(kind, width, layers, device) for kind in KINDS}
+
+    def step(kind):
+        model, opt, _ = made[kind]
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if hasattr(model, "finish_gradient_synchronization"):
+            model.finish_gradient_synchronization()
+        opt.step()
+
+    medians = median_times({kind: (lambda kind=kind: step(kind)) for kind in KINDS}, repeats=steps, warmup=2,
+                           device=device, before=dist.barrier)
     out = {}
     for kind in KINDS:
-        model, opt, params = _make(kind, width, layers, device)
-        times = []
-        for i in range(steps + 2):
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            if hasattr(model, "finish_gradient_synchronization"):
-                model.finish_gradient_synchronization()
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = torch.tensor(time.perf_counter() - t0)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-            if i >= 2:
-                times.append(dt.item())
-        held = torch.tensor(float(held_bytes(params, opt)))
-        dist.all_reduce(held, op=dist.ReduceOp.MAX)
-        out[kind] = dict(step_s=statistics.median(times), bytes=int(held.item()))
-        del model, opt, params
+        _, opt, params = made[kind]
+        t = torch.tensor([medians[kind], float(held_bytes(params, opt))], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace; the fullest rank's bytes
+        out[kind] = dict(step_s=t[0].item(), bytes=int(t[1].item()))
     return out
 
 
@@ -127,29 +120,29 @@ def main() -> None:
     a = ap.parse_args()
     psi = sum(p.numel() for p in mlp(a.width, a.layers).parameters())
     formula_stage = {"DDP": 0, "ShardedOptimizer": 1, "own FSDP": 3, "torch fully_shard": 3}
-    rows = []
     print(f"model: {a.layers} x Linear({a.width}, {a.width}), {psi / 1e6:.2f} M parameters, "
-          f"batch {a.batch} per rank, AdamW fp32")
-    print(f"{'N':>2} {'wrapper':<18} {'step ms':>8} {'vs fully_shard':>14} {'MB/rank':>8} "
-          f"{'formula MB':>10} {'meas/formula':>12}")
+          f"batch {a.batch} per rank, AdamW fp32; median of {a.steps} steps")
+    table = Table("median step time (the slowest rank's) and bytes per rank",
+                  {"wrapper": "", "N": "", "step ms": ".1f", "vs fully_shard": ".2f", "MB/rank": ".2f",
+                   "formula MB": ".2f", "meas/formula": ".3f"})
+    own, mem = [], []
     for n in a.nprocs:
         res = launch(_bench, nprocs=n, args=(a.width, a.layers, a.batch, a.steps), timeout=600)[0]
         base = res["torch fully_shard"]["step_s"]
         for kind in KINDS:
             r = res[kind]
             formula = zero_bytes_per_rank(psi, n, formula_stage[kind], 4, 4, 8)
-            row = dict(nprocs=n, wrapper=kind, step_ms=round(r["step_s"] * 1e3, 2),
-                       vs_fully_shard=round(r["step_s"] / base, 3), bytes_per_rank=r["bytes"],
-                       formula_bytes=int(formula), measured_over_formula=round(r["bytes"] / formula, 4))
-            rows.append(row)
-            print(f"{n:>2} {kind:<18} {row['step_ms']:>8.1f} {row['vs_fully_shard']:>13.2f}x "
-                  f"{r['bytes'] / 2**20:>8.2f} {formula / 2**20:>10.2f} {row['measured_over_formula']:>12.3f}")
-    own = [r["vs_fully_shard"] for r in rows if r["wrapper"] == "own FSDP"]
-    mem = [abs(r["measured_over_formula"] - 1) for r in rows]
+            table.add(kind, n, r["step_s"] * 1e3, r["step_s"] / base, r["bytes"] / 2**20, formula / 2**20,
+                      r["bytes"] / formula)
+            if kind == "own FSDP":
+                own.append(r["step_s"] / base)
+            mem.append(abs(r["bytes"] / formula - 1))
+    table.print()
     print(f"target own FSDP <= 1.3x fully_shard: {'met' if max(own) <= 1.3 else 'NOT met'} "
           f"(worst {max(own):.2f}x); bytes within 10 % of the formula: "
           f"{'met' if max(mem) <= 0.10 else 'NOT met'} (worst {max(mem) * 100:.1f} %)")
-    print(json.dumps({"benchmark": "sharding", "params": psi, "rows": rows}))
+    print_json("bench_sharding", [table], params=psi, worst_own_fsdp_vs_fully_shard=round(max(own), 3),
+               worst_bytes_vs_formula=round(max(mem), 4), target_met=max(own) <= 1.3 and max(mem) <= 0.10)
 
 
 if __name__ == "__main__":
