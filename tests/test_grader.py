@@ -470,3 +470,15 @@ def test_find_submissions_layouts(tmp_path):
                                                ("cy", "cy.ipynb"), ("dee", "01 (1).ipynb")]
     with pytest.raises(FileNotFoundError):
         find_submissions([tmp_path / "nope"])
+
+
+def test_a_package_under_tmp_is_bound_over_the_private_tmp(tmp_path):
+    """A checkout cloned under /tmp (as CI may do) keeps its Python visible in the sandbox:
+    the private /tmp and /dev/shm are mounted first, the read-only binds over them."""
+    from mgpu_lab.course import sandbox
+    package = tmp_path / "clone" / "mgpu_lab"
+    package.mkdir(parents=True)
+    argv, _ = sandbox.command(Sandbox(True, bwrap="bwrap"), ["python"], Limits(), package, {})
+    pairs = [(argv[i], argv[i + 1]) for i in range(len(argv) - 1)]
+    assert pairs.index(("--tmpfs", "/tmp")) < pairs.index(("--ro-bind", str(package)))
+    assert pairs.index(("--dev", "/dev")) < pairs.index(("--tmpfs", "/dev/shm"))

@@ -137,6 +137,14 @@ def command(box: Sandbox, argv: List[str], limits: Limits, package_dir: Path,
             "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
     if "--disable-userns" in box.options:
         args.append("--disable-userns")
+    args += ["--proc", "/proc", "--dev", "/dev", "--ro-bind-try", "/sys", "/sys"]
+    for dev in sorted(Path("/dev").glob("nvidia*")):
+        args += ["--dev-bind", str(dev), str(dev)]
+    # The writable tmpfs folders before the read-only binds: a Python or package that
+    # lives under /tmp (a checkout cloned there) is then bound over the private /tmp.
+    size = str(limits.scratch_mib * 2**20)
+    for where in (WORK, "/tmp", "/dev/shm"):
+        args += (["--size", size] if "--size" in box.options else []) + ["--tmpfs", where]
     for p in readable_paths(package_dir, box.hidden):
         args += ["--ro-bind", p, p]
         real = os.path.realpath(p)
@@ -147,12 +155,6 @@ def command(box: Sandbox, argv: List[str], limits: Limits, package_dir: Path,
             args += ["--tmpfs", secret]
         elif os.path.exists(secret):
             args += ["--ro-bind", "/dev/null", secret]
-    size = str(limits.scratch_mib * 2**20)
-    args += ["--proc", "/proc", "--dev", "/dev", "--ro-bind-try", "/sys", "/sys"]
-    for dev in sorted(Path("/dev").glob("nvidia*")):
-        args += ["--dev-bind", str(dev), str(dev)]
-    for where in (WORK, "/tmp", "/dev/shm"):
-        args += (["--size", size] if "--size" in box.options else []) + ["--tmpfs", where]
     args += ["--remount-ro", "/", "--chdir", WORK, "--clearenv"]
     for k, v in env.items():
         args += ["--setenv", k, v]
