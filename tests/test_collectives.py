@@ -230,7 +230,14 @@ def test_simulated_ring_step_by_step(world, numel):
     everyone = frozenset(range(world))
     for r in range(world):  # the start is a snapshot: each rank holds its own data, unreduced
         assert torch.equal(torch.cat(states[0].chunks[r]), tensors[r])
-    for s, state in enumerate(states[1:world]):  # scatter-reduce round s
+    # One step numbering everywhere: states[k] is after k steps; RingState.step counts from 1 in each phase.
+    assert (states[0].phase, states[0].step, states[0].messages) == ("start", 0, [])
+    assert [(st.phase, st.step) for st in states[1:]] == \
+        [("scatter-reduce", s) for s in range(1, world)] + [("all-gather", s) for s in range(1, world)]
+    for s in range(1, world):  # the schedule as the lab states it: step s sends chunk r-s+1, then r-s+2
+        assert states[s].messages == [(r, (r + 1) % world, (r - s + 1) % world) for r in range(world)]
+        assert states[world - 1 + s].messages == [(r, (r + 1) % world, (r - s + 2) % world) for r in range(world)]
+    for s, state in enumerate(states[1:world]):  # after scatter-reduce step s + 1
         assert state.phase == "scatter-reduce" and state.step == s + 1
         assert sorted(dst for _, dst, _ in state.messages) == list(range(world))  # one message per rank
         for r in range(world):
