@@ -9,7 +9,7 @@ Prints, per size: the median time of ``mgpu_lab.ring_allreduce`` and of
 ``dist.all_reduce``, their ratio (target: ring <= 1.5x at 16 MB), and for each
 the algorithm bandwidth (algBw = S / t) and bus bandwidth (busBw = algBw ·
 2(N-1)/N), as nccl-tests define them. Also the parameter server
-(``naive_allreduce``) for contrast, and the bytes each rank sent per call.
+(``naive_allreduce``; columns "PS") for contrast, and the bytes each rank sent per call.
 """
 from __future__ import annotations
 
@@ -62,9 +62,9 @@ def _bench(sizes, seconds):
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         ring_sent = ring_allreduce(x.clone()).bytes_sent
-        naive_sent = naive_allreduce(x.clone()).bytes_sent
-        t_ring, t_torch, t_naive = _time([ring_allreduce, dist.all_reduce, naive_allreduce], x, seconds, device)
-        rows.append((nbytes, t_ring, t_torch, t_naive, ring_sent, naive_sent))
+        ps_sent = naive_allreduce(x.clone()).bytes_sent
+        t_ring, t_torch, t_ps = _time([ring_allreduce, dist.all_reduce, naive_allreduce], x, seconds, device)
+        rows.append((nbytes, t_ring, t_torch, t_ps, ring_sent, ps_sent))
     return rows
 
 
@@ -91,12 +91,12 @@ def main() -> None:
             f"{'busBw':>6} | {'ring/torch':>10} | {'PS ms':>8} {'PS/ring':>7} | {'ring B/rank':>11} {'PS B/root':>10}")
     print(head)
     print("-" * len(head))
-    for nbytes, t_ring, t_torch, t_naive, ring_sent, naive_sent in rows:
+    for nbytes, t_ring, t_torch, t_ps, ring_sent, ps_sent in rows:
         ra, rb = bus_bandwidth(nbytes, t_ring, world)
         ta, tb = bus_bandwidth(nbytes, t_torch, world)
         print(f"{_fmt_size(nbytes):>7} | {t_ring * 1e3:8.3f} {ra / 1e9:6.2f} {rb / 1e9:6.2f} | "
               f"{t_torch * 1e3:8.3f} {ta / 1e9:6.2f} {tb / 1e9:6.2f} | {t_ring / t_torch:9.2f}x | "
-              f"{t_naive * 1e3:8.3f} {t_naive / t_ring:6.2f}x | {ring_sent:11d} {naive_sent:10d}")
+              f"{t_ps * 1e3:8.3f} {t_ps / t_ring:6.2f}x | {ring_sent:11d} {ps_sent:10d}")
     at16 = [r for r in rows if r[0] == 16 * 2**20]
     if at16:
         ratio = at16[0][1] / at16[0][2]

@@ -128,7 +128,7 @@ def test_ring_and_naive_match_all_reduce(world):
             if numel % world == 0:
                 assert rs.bytes_sent == rs.bytes_received == allreduce_bytes(numel, esize, world, "ring"), label
             if rank == world - 1:  # the root
-                assert ns.bytes_sent == ns.bytes_received == allreduce_bytes(numel, esize, world, "naive"), label
+                assert ns.bytes_sent == ns.bytes_received == allreduce_bytes(numel, esize, world, "parameter_server"), label
             else:
                 assert ns.bytes_sent == ns.bytes_received == size, label
         # Summed over ranks the ring moves exactly 2(N-1)·S, whatever the size.
@@ -180,11 +180,12 @@ def test_byte_formulas():
     s = 1000 * 4
     assert allreduce_bytes(1000, 4, 1) == 0
     assert [allreduce_bytes(1000, 4, n) for n in (2, 4, 8)] == [s, 1.5 * s, 1.75 * s]
-    assert [allreduce_bytes(1000, 4, n, "naive") for n in (2, 4, 8)] == [s, 3 * s, 7 * s]
-    assert allreduce_bytes(1000, 4, 8, "parameter_server") == 7 * s
+    assert [allreduce_bytes(1000, 4, n, "parameter_server") for n in (2, 4, 8)] == [s, 3 * s, 7 * s]
+    with pytest.raises(ValueError, match="parameter_server"):  # one name for the pattern
+        allreduce_bytes(1000, 4, 8, "naive")
     for n in range(2, 65):  # the ring stays below 2·S; the parameter server grows with N
         assert allreduce_bytes(1000, 4, n) < 2 * s
-        assert allreduce_bytes(1000, 4, n, "naive") == (n - 1) * s
+        assert allreduce_bytes(1000, 4, n, "parameter_server") == (n - 1) * s
     with pytest.raises(ValueError, match="unknown algorithm"):
         allreduce_bytes(10, 4, 2, "tree")
     with pytest.raises(ValueError):

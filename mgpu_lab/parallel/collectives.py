@@ -62,8 +62,8 @@ def allreduce_bytes(numel: int, element_size: int, world_size: int,
     """Bytes the busiest rank sends in one all-reduce of S = numel·element_size.
 
     ``"ring"``: 2(N-1)/N·S on every rank (exact when N divides numel).
-    ``"naive"`` (alias ``"parameter_server"``): (N-1)·S, what the root sends; the
-    other ranks send S each, but the root's link sets the time.
+    ``"parameter_server"`` (what ``naive_allreduce`` does): (N-1)·S, what the
+    root sends; the other ranks send S each, but the root's link sets the time.
     """
     if numel < 0 or element_size <= 0 or world_size < 1:
         raise ValueError(f"need numel >= 0, element_size > 0, world_size >= 1; got "
@@ -71,9 +71,10 @@ def allreduce_bytes(numel: int, element_size: int, world_size: int,
     size = numel * element_size
     if algorithm == "ring":
         return 2 * (world_size - 1) * size / world_size
-    if algorithm in ("naive", "parameter_server"):
+    if algorithm == "parameter_server":
         return float((world_size - 1) * size)
-    raise ValueError(f"unknown algorithm {algorithm!r}: use 'ring' or 'naive'")
+    hint = " (naive_allreduce's pattern is called 'parameter_server')" if algorithm == "naive" else ""
+    raise ValueError(f"unknown algorithm {algorithm!r}: use 'ring' or 'parameter_server'{hint}")
 
 
 def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> Tuple[float, float]:
