@@ -10,7 +10,7 @@ Prints, per size: the median time of ``mgpu_lab.ring_allreduce`` and of
 ``dist.all_reduce``, their ratio (target: ring <= 1.5x at 16 MB), and for each
 the algorithm bandwidth (algBw = S / t) and bus bandwidth (busBw = algBw ·
 2(N-1)/N), as nccl-tests define them. Also the parameter server
-(``naive_allreduce``) for contrast, and the bytes each rank sent per call.
+(``naive_allreduce``; columns "PS") for contrast, and the bytes each rank sent per call.
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def _bench(sizes, seconds):
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         ring_sent = ring_allreduce(x.clone()).bytes_sent
-        naive_sent = naive_allreduce(x.clone()).bytes_sent
-        t_ring, t_torch, t_naive = _time([ring_allreduce, dist.all_reduce, naive_allreduce], x, seconds, device)
-        rows.append((nbytes, t_ring, t_torch, t_naive, ring_sent, naive_sent))
+        ps_sent = naive_allreduce(x.clone()).bytes_sent
+        t_ring, t_torch, t_ps = _time([ring_allreduce, dist.all_reduce, naive_allreduce], x, seconds, device)
+        rows.append((nbytes, t_ring, t_torch, t_ps, ring_sent, ps_sent))
     return rows
 
 
@@ -74,11 +74,11 @@ def main() -> None:
                   {"size": "", "ring ms": ".3f", "ring algBw": ".2f", "ring busBw": ".2f", "torch ms": ".3f",
                    "torch algBw": ".2f", "torch busBw": ".2f", "ring/torch": ".2f", "PS ms": ".3f",
                    "PS/ring": ".2f", "ring B/rank": "d", "PS B/root": "d"})
-    for nbytes, t_ring, t_torch, t_naive, ring_sent, naive_sent in rows:
+    for nbytes, t_ring, t_torch, t_ps, ring_sent, ps_sent in rows:
         ra, rb = bus_bandwidth(nbytes, t_ring, world)
         ta, tb = bus_bandwidth(nbytes, t_torch, world)
         table.add(_fmt_size(nbytes), t_ring * 1e3, ra / 1e9, rb / 1e9, t_torch * 1e3, ta / 1e9, tb / 1e9,
-                  t_ring / t_torch, t_naive * 1e3, t_naive / t_ring, ring_sent, naive_sent)
+                  t_ring / t_torch, t_ps * 1e3, t_ps / t_ring, ring_sent, ps_sent)
     table.print()
     summary = {}
     at16 = [r for r in rows if r[0] == 16 * 2**20]

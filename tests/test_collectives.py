@@ -128,7 +128,7 @@ def test_ring_and_naive_match_all_reduce(world):
             if numel % world == 0:
                 assert rs.bytes_sent == rs.bytes_received == allreduce_bytes(numel, esize, world, "ring"), label
             if rank == world - 1:  # the root
-                assert ns.bytes_sent == ns.bytes_received == allreduce_bytes(numel, esize, world, "naive"), label
+                assert ns.bytes_sent == ns.bytes_received == allreduce_bytes(numel, esize, world, "parameter_server"), label
             else:
                 assert ns.bytes_sent == ns.bytes_received == size, label
         # Summed over ranks the ring moves exactly 2(N-1)·S, whatever the size.
@@ -180,11 +180,12 @@ def test_byte_formulas():
     s = 1000 * 4
     assert allreduce_bytes(1000, 4, 1) == 0
     assert [allreduce_bytes(1000, 4, n) for n in (2, 4, 8)] == [s, 1.5 * s, 1.75 * s]
-    assert [allreduce_bytes(1000, 4, n, "naive") for n in (2, 4, 8)] == [s, 3 * s, 7 * s]
-    assert allreduce_bytes(1000, 4, 8, "parameter_server") == 7 * s
+    assert [allreduce_bytes(1000, 4, n, "parameter_server") for n in (2, 4, 8)] == [s, 3 * s, 7 * s]
+    with pytest.raises(ValueError, match="parameter_server"):  # one name for the pattern
+        allreduce_bytes(1000, 4, 8, "naive")
     for n in range(2, 65):  # the ring stays below 2·S; the parameter server grows with N
         assert allreduce_bytes(1000, 4, n) < 2 * s
-        assert allreduce_bytes(1000, 4, n, "naive") == (n - 1) * s
+        assert allreduce_bytes(1000, 4, n, "parameter_server") == (n - 1) * s
     with pytest.raises(ValueError, match="unknown algorithm"):
         allreduce_bytes(10, 4, 2, "tree")
     with pytest.raises(ValueError):
@@ -230,7 +231,14 @@ def test_simulated_ring_step_by_step(world, numel):
     everyone = frozenset(range(world))
     for r in range(world):  # the start is a snapshot: each rank holds its own data, unreduced
         assert torch.equal(torch.cat(states[0].chunks[r]), tensors[r])
-    for s, state in enumerate(states[1:world]):  # scatter-reduce round s
+    # One step numbering everywhere: states[k] is after k steps; RingState.step counts from 1 in each phase.
+    assert (states[0].phase, states[0].step, states[0].messages) == ("start", 0, [])
+    assert [(st.phase, st.step) for st in states[1:]] == \
+        [("scatter-reduce", s) for s in range(1, world)] + [("all-gather", s) for s in range(1, world)]
+    for s in range(1, world):  # the schedule as the lab states it: step s sends chunk r-s+1, then r-s+2
+        assert states[s].messages == [(r, (r + 1) % world, (r - s + 1) % world) for r in range(world)]
+        assert states[world - 1 + s].messages == [(r, (r + 1) % world, (r - s + 2) % world) for r in range(world)]
+    for s, state in enumerate(states[1:world]):  # after scatter-reduce step s + 1
         assert state.phase == "scatter-reduce" and state.step == s + 1
         assert sorted(dst for _, dst, _ in state.messages) == list(range(world))  # one message per rank
         for r in range(world):

@@ -42,8 +42,8 @@ class CommStats:
     """What one rank put on (and took off) the wire during one collective.
 
     bytes_sent / bytes_received count payload bytes of the messages this rank
-    actually sent / received; steps counts the communication rounds (the ring
-    runs 2(N-1) rounds, the parameter server 2: gather to the root, send back).
+    actually sent / received; steps counts the communication steps (the ring
+    runs 2(N-1), the parameter server 2: gather to the root, send back).
     Stats add up, so a DDP step can sum those of its buckets.
     """
 
@@ -62,8 +62,8 @@ def allreduce_bytes(numel: int, element_size: int, world_size: int,
     """Bytes the busiest rank sends in one all-reduce of S = numel·element_size.
 
     ``"ring"``: 2(N-1)/N·S on every rank (exact when N divides numel).
-    ``"naive"`` (alias ``"parameter_server"``): (N-1)·S, what the root sends; the
-    other ranks send S each, but the root's link sets the time.
+    ``"parameter_server"`` (what ``naive_allreduce`` does): (N-1)·S, what the
+    root sends; the other ranks send S each, but the root's link sets the time.
     """
     if numel < 0 or element_size <= 0 or world_size < 1:
         raise ValueError(f"need numel >= 0, element_size > 0, world_size >= 1; got "
@@ -71,9 +71,10 @@ def allreduce_bytes(numel: int, element_size: int, world_size: int,
     size = numel * element_size
     if algorithm == "ring":
         return 2 * (world_size - 1) * size / world_size
-    if algorithm in ("naive", "parameter_server"):
+    if algorithm == "parameter_server":
         return float((world_size - 1) * size)
-    raise ValueError(f"unknown algorithm {algorithm!r}: use 'ring' or 'naive'")
+    hint = " (naive_allreduce's pattern is called 'parameter_server')" if algorithm == "naive" else ""
+    raise ValueError(f"unknown algorithm {algorithm!r}: use 'ring' or 'parameter_server'{hint}")
 
 
 def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> Tuple[float, float]:
@@ -90,26 +91,30 @@ def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> Tuple[float
 # --------------------------------------------------------------------------- the schedule
 
 def ring_schedule(world_size: int) -> List[Tuple[str, List[Tuple[int, int, int]]]]:
-    """The ring's 2(N-1) rounds, as (phase, [(src, dst, chunk), ...]) with one message per rank.
+    """The ring's 2(N-1) steps, as (phase, [(src, dst, chunk), ...]) with one message per rank.
 
-    Scatter-reduce round s: rank r sends chunk (r-s) mod N to r+1, which adds it
-    to its own. All-gather round s: rank r forwards the finished chunk
-    (r+1-s) mod N to r+1, which overwrites its copy. ``ring_allreduce`` follows
+    Steps are numbered from 1 in each phase (step 0 is the start, before any
+    message); the list holds scatter-reduce steps 1..N-1, then all-gather steps
+    1..N-1. Scatter-reduce step s: rank r sends chunk (r-s+1) mod N to r+1, which
+    adds it to its own. All-gather step s: rank r forwards the finished chunk
+    (r-s+2) mod N to r+1, which overwrites its copy. ``ring_allreduce`` follows
     exactly this schedule; ``simulate_ring_allreduce`` replays it in one process.
     """
     n = world_size
-    rounds = [("scatter-reduce", [(r, (r + 1) % n, (r - s) % n) for r in range(n)]) for s in range(n - 1)]
-    rounds += [("all-gather", [(r, (r + 1) % n, (r + 1 - s) % n) for r in range(n)]) for s in range(n - 1)]
-    return rounds
+    steps = [("scatter-reduce", [(r, (r + 1) % n, (r - s + 1) % n) for r in range(n)]) for s in range(1, n)]
+    steps += [("all-gather", [(r, (r + 1) % n, (r - s + 2) % n) for r in range(n)]) for s in range(1, n)]
+    return steps
 
 
 @dataclass
 class RingState:
-    """Every rank's chunks after one round of a simulated ring all-reduce.
+    """Every rank's chunks after one step of a simulated ring all-reduce.
 
+    phase: "start", "scatter-reduce" or "all-gather"; step: the step within the
+    phase, numbered from 1 (0 for the start, which is a copy of the inputs).
     chunks[r][c]: rank r's copy of chunk c. contributors[r][c]: the ranks whose
     data that copy is the reduction of (all N of them once it is finished).
-    messages: the (src, dst, chunk) sent in the round that led here.
+    messages: the (src, dst, chunk) sent in the step that led here.
     """
 
     phase: str
@@ -122,8 +127,10 @@ class RingState:
 def simulate_ring_allreduce(tensors: List[torch.Tensor], op: str = "sum") -> List[RingState]:
     """Replay the ring on N tensors in one process (no process group needed).
 
-    Returns 2(N-1)+1 states: the start, then one per round. What the lab's
-    step-through widget draws; the last state holds the all-reduced chunks.
+    Returns 2(N-1)+1 states: states[0] is the start (each rank's own data,
+    copied), states[k] the state after k steps (``RingState.step`` counts within
+    the phase, from 1). What the lab's step-through widget draws; the last state
+    holds the all-reduced chunks.
     """
     n = len(tensors)
     if n < 1 or any(t.shape != tensors[0].shape for t in tensors):
@@ -139,14 +146,14 @@ def simulate_ring_allreduce(tensors: List[torch.Tensor], op: str = "sum") -> Lis
     states = [RingState("start", 0, snapshot(), [list(c) for c in contrib], [])]
     for i, (phase, messages) in enumerate(ring_schedule(n)):
         sent = [(dst, c, chunks[src][c].clone(), contrib[src][c]) for src, dst, c in messages]
-        for dst, c, data, who in sent:  # all messages of a round travel at once
+        for dst, c, data, who in sent:  # all messages of a step travel at once
             if phase == "scatter-reduce":
                 _reduce_into(chunks[dst][c], data, op)
                 contrib[dst][c] = contrib[dst][c] | who
             else:
                 chunks[dst][c] = data
                 contrib[dst][c] = who
-        step = i + 1 if phase == "scatter-reduce" else i + 2 - n
+        step = i + 1 if phase == "scatter-reduce" else i + 2 - n  # from 1 in each phase
         states.append(RingState(phase, step, snapshot(),
                                 [list(c) for c in contrib], messages))
     return states
@@ -238,7 +245,7 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group=None) -> CommSta
     for ``dist.all_reduce``). A non-contiguous tensor is reduced in a contiguous
     copy that is copied back (S extra bytes).
 
-    Cost per rank: 2(N-1) rounds, 2(N-1)/N·S bytes sent and received, one chunk
+    Cost per rank: 2(N-1) steps, 2(N-1)/N·S bytes sent and received, one chunk
     of scratch memory. Returns this rank's ``CommStats``.
     """
     flat, rank, world = _check(tensor, op, group)
