@@ -6,6 +6,8 @@
 #   ./run.sh lab     JupyterLab on labs/ (the main job)
 #   ./run.sh tour    the headless tour: runs every solution notebook, prints a table
 #   ./run.sh test    the whole test suite (unit tests, nbval over solutions/, grader)
+#   ./run.sh gpu     on a GPU machine: the GPU tests, every lab in a kernel that used
+#                    CUDA first, every benchmark -> gpu-results.json
 #   ./run.sh mgpu-lab ARGS...   any mgpu-lab command inside the environment
 #
 # TORCH_SPEC picks the torch to install. By default: the CUDA build ("torch") where
@@ -47,39 +49,54 @@ setup() {
   fi
 }
 
+# apt_install COMMAND PACKAGE: a Debian package that optional tests need, when we can
+# (root and apt-get). Never fails the run.
+apt_install() {
+  command -v "$1" >/dev/null 2>&1 && return 0
+  { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; } || return 0
+  echo "run.sh: installing $2 (apt-get)" >&2
+  (apt-get install -y -qq "$2" >/dev/null 2>&1 ||
+    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq "$2" >/dev/null 2>&1; }) || true
+}
+
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   lab)
-    setup course
+    setup course,lightning
     # Jupyter refuses to run as root (containers, cloud VMs) unless told it is fine.
     [ "$(id -u)" = 0 ] && set -- --allow-root "$@"
     exec "$VENV/bin/jupyter" lab labs/ "$@"
     ;;
   tour)
-    setup course
+    setup course,lightning
     exec "$VENV/bin/mgpu-lab" tour "$@"
     ;;
   test)
-    setup course,test
-    # The grader's sandbox (bubblewrap): install it when we can; its tests skip,
-    # saying why, where it is missing. Never fails the run.
-    if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-      (apt-get install -y -qq bubblewrap >/dev/null 2>&1 ||
-        { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }) || true
-    fi
+    setup course,test,lightning
+    # The grader's sandbox (bubblewrap) and the browser test's Chromium: installed when
+    # we can; the tests that need them skip, saying why, where they are missing.
+    apt_install bwrap bubblewrap
+    apt_install chromium chromium
     # OMP threads: 2 processes per test on a 2-core machine; one thread each.
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     exec "$PY" -m pytest tests solutions \
       --nbval --nbval-current-env --nbval-cell-timeout=300 \
       --nbval-sanitize-with solutions/sanitize.cfg "$@"
     ;;
+  gpu)
+    setup course,test,lightning
+    command -v nvidia-smi >/dev/null 2>&1 ||
+      { echo "run.sh gpu: no nvidia-smi here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    exec "$PY" -m mgpu_lab.course.gpu_pass --out "${GPU_RESULTS:-gpu-results.json}" "$@"
+    ;;
   mgpu-lab)
-    setup course
+    setup course,lightning
     exec "$VENV/bin/mgpu-lab" "$@"
     ;;
   *)
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,/^set -euo/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
