@@ -19,6 +19,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 VENV="${VENV:-.venv}"
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
+# matplotlib's font cache lives in the environment: a cache another environment wrote
+# (under ~/.cache, naming fonts that are gone) makes every plot warn on stderr.
+export MPLCONFIGDIR="${MPLCONFIGDIR:-$VENV/matplotlib}"
 CPU_INDEX="https://download.pytorch.org/whl/cpu"
 if [ -z "${TORCH_SPEC:-}" ]; then
   TORCH_SPEC="torch"
@@ -47,6 +51,9 @@ setup() {
     "$PY" -m pip install --quiet -e ".[$extras]"
     echo "$want" > "$stamp"
   fi
+  # Build the font cache now, not in the first notebook cell that plots (its message would
+  # be cell output).
+  "$PY" -c "import matplotlib.font_manager" >/dev/null 2>&1 || true
 }
 
 # apt_install COMMAND PACKAGE: a Debian package that optional tests need, when we can
