@@ -67,6 +67,15 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
 
 
+def pid_alive(pid: int) -> bool:
+    """Is process ``pid`` running (not gone, not a zombie)? Linux /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
 # multiprocessing's own service processes: one per test process, shared by every launch
 # that uses spawn or a forkserver, and ended with it. Not left-behind ranks.
 SERVICE_PROCESSES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")

@@ -9,15 +9,8 @@ import time
 import pytest
 import torch.distributed as dist
 
+from conftest import pid_alive
 from mgpu_lab import LaunchError, launch
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] not in "ZX"
-    except FileNotFoundError:
-        return False
 
 
 class _Watcher(io.StringIO):
@@ -72,7 +65,7 @@ def test_a_rank_killed_by_sigkill_is_the_root_cause_and_named(tmp_path):
     assert "rank 1 was killed by signal SIGKILL" in str(info.value)
     assert "out-of-memory" in str(info.value)
     pids = [int(f.read_text()) for f in tmp_path.iterdir()]
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    assert len(pids) == 2 and not any(pid_alive(pid) for pid in pids)
 
 
 def test_a_segfault_names_the_signal_and_shows_the_python_stack():

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import pid_alive
 from mgpu_lab import launch
 from mgpu_lab.runtime.launch import choose_start_method
 
@@ -105,15 +106,7 @@ def test_no_process_is_left_after_a_crash_in_fresh_processes(tmp_path):
         launch(fn, nprocs=2, start_method="forkserver", timeout=60)
     time.sleep(0.5)
     pids = [int(p) for f in tmp_path.iterdir() for p in f.read_text().split()]
-    assert len(pids) == 4 and not [pid for pid in pids if _alive(pid)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] not in "ZX"
-    except FileNotFoundError:
-        return False
+    assert len(pids) == 4 and not [pid for pid in pids if pid_alive(pid)]
 
 
 def test_forkserver_launches_after_the_first_are_fast():
