@@ -6,7 +6,7 @@ Each subcommand lives in the module of its concept, which defines
     mgpu-lab launch   torchrun, with defaults for this machine   (runtime/torchrun.py)
     mgpu-lab doctor   what this machine can do, and what is off  (doctor.py)
     mgpu-lab labs     build labs/ from solutions/, or re-execute (course/notebooks.py)
-    mgpu-lab grade    score students' notebooks                  (grader.py)
+    mgpu-lab grade    score students' notebooks                  (course/classroom.py)
     mgpu-lab tour     run every solution notebook, headless      (tour.py)
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "launch": "runtime.torchrun",
     "doctor": "runtime.doctor",
     "labs": "course.notebooks",
-    "grade": "course.grader",
+    "grade": "course.classroom",
     "tour": "course.tour",
 }
 

@@ -73,8 +73,9 @@ def ring(solution: str):
         new_code_cell("import torch, torch.distributed as dist\nfrom mgpu_lab import launch\n"
                       "ar = dist.all_reduce"),
         new_code_cell(solution, metadata={"nbgrader": {"grade_id": "f", "solution": True}}),
-        new_code_cell("def check():\n    t = torch.ones(1)\n    dist.all_reduce(t)\n"
-                      "    return f(), t.item()\nassert launch(check, nprocs=2) == [(2.0, 2.0)] * 2",
+        new_code_cell("### PROBE\ndef check():\n    t = torch.ones(1)\n    dist.all_reduce(t)\n"
+                      "    return f(), t.item()\ngot = launch(check, nprocs=2)\n"
+                      "### JUDGE\nassert got == [(2.0, 2.0)] * 2",
                       metadata={"nbgrader": {"grade_id": "f_test", "grade": True, "points": 1},
                                 "mgpu_lab": {"reimplements": ["torch.distributed.all_reduce"]}})])
 
@@ -107,7 +108,7 @@ def build_class(tmp: Path, sandboxed: bool):
                      "                pass\n        except KeyboardInterrupt:\n            pass"),
         "exit": "import sys\ndef add(a, b):\n    sys.exit(3)",
         "osexit": "import os\ndef add(a, b):\n    os._exit(1)",
-        "segv": "import ctypes\ndef add(a, b):\n    return ctypes.string_at(0)",
+        "segv": "import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGSEGV)",
     }.items():
         write(toy(add=add), klass / f"{name}.ipynb")
     write(toy(first="import time\nfrom mgpu_lab import launch",       # a launch that hangs

@@ -70,6 +70,14 @@ def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
     return grades
 
 
+NO_SANDBOX = """no sandbox can be made here ({reason}), so this refuses to grade.
+A submission is code written by someone else: without a sandbox its notebook runs with
+your permissions (it can read the solutions and your files, and write anywhere you can).
+Install bubblewrap (Debian/Ubuntu: sudo apt-get install bubblewrap; Fedora: sudo dnf
+install bubblewrap) on Linux with user namespaces enabled, or, for notebooks you trust,
+pass --no-sandbox."""
+
+
 def _cmd_grade(args) -> int:
     def usage(message: str) -> int:
         print(f"mgpu-lab grade: {message}", file=sys.stderr)
@@ -100,8 +108,8 @@ def _cmd_grade(args) -> int:
         box = Sandbox(False, "--no-sandbox")
     line = box.describe()
     print(line, flush=True)                  # the first line says what protects you
-    if args.require_sandbox and not box.available:
-        return usage(f"--require-sandbox: {box.reason}")
+    if not box.available and not args.no_sandbox:
+        return usage(NO_SANDBOX.format(reason=box.reason))
     labs = load_solutions(solutions)
     limits = Limits(memory_gib=args.memory)
     try:
@@ -142,7 +150,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--memory", type=float, default=8.0,
                    help="GiB of memory per notebook's sandbox (8)")
     p.add_argument("--require-sandbox", action="store_true",
-                   help="fail (exit 2) when no sandbox can be made here")
+                   help="fail (exit 2) when no sandbox can be made here (the default)")
     p.add_argument("--no-sandbox", action="store_true",
                    help="run submissions with your permissions (trusted notebooks only)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

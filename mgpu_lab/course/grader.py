@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import subprocess
 import sys
 import tempfile
@@ -40,11 +39,13 @@ from typing import Dict, List, Optional
 
 import nbformat
 
-from . import guard
-from .notebooks import graded_cells, lab_id, nbgrader_meta
+from . import graded_cell, guard
+from .judge import Judge, JudgeError, Lines
+from .notebooks import SETUP_TAG, graded_cells, lab_id, nbgrader_meta
 from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
-from .submission import (Prepared, forbidden_of, prepare_submission,
+from .submission import (Prepared, forbidden_of, observed_of, prepare_submission,
                          static_check)
+from .tamper import tampering
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ExerciseScore:
     max_score: float
     error: Optional[str] = None
     message: str = ""
+    observed: str = ""        # what the check observes inside the kernel (not tamper-proof)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class NotebookGrade:
     error: Optional[str] = None            # the notebook could not be graded at all
     notes: List[str] = field(default_factory=list)
     sandboxed: bool = False
+    tampering: List[str] = field(default_factory=list)   # what the static pass flagged
 
     @property
     def score(self) -> float:
@@ -135,13 +138,35 @@ def _environment(package_dir: Path, sandboxed: bool) -> dict:
     return env
 
 
+def _judge_environment(package_dir: Path, home: str) -> dict:
+    """The judge runs the instructor's code only: the grader's own environment."""
+    env = dict(os.environ, MPLBACKEND="Agg", HOME=home, MPLCONFIGDIR=os.path.join(home, ".mpl"),
+               PYTHONPATH=os.pathsep.join([str(package_dir.parent)]
+                                          + ([os.environ["PYTHONPATH"]]
+                                             if os.environ.get("PYTHONPATH") else [])))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def setup_sources(instructor) -> List[str]:
+    """The instructor's cells tagged ``setup``: they run in the judge before any check."""
+    return [c.source for c in instructor.cells
+            if c.cell_type == "code" and SETUP_TAG in c.metadata.get("tags", [])]
+
+
 def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
                  timeout: float, total_timeout: Optional[float]):
-    """Run in the runner (sandboxed when ``box.available``); ``(results, violations)``."""
+    """Run the submission in the runner (sandboxed when ``box.available``), each
+    graded cell's probe in its kernel and its judge here, in a :class:`Judge`.
+
+    Returns ``(results, violations, verdicts)`` keyed by cell index: the runner's
+    cell results, the references a cell called, and the judge's
+    ``(error, message)`` for each graded cell whose probe ran.
+    """
     import mgpu_lab
     package_dir = Path(mgpu_lab.__file__).resolve().parent
     tests = graded_cells(instructor)
-    sources = {i: tests[gid].source for i, gid in prepared.graded.items()}
+    parts = {i: graded_cell.split(tests[gid].source) for i, gid in prepared.graded.items()}
     trusted = [c.source for c in instructor.cells if c.cell_type == "code"
                and not nbgrader_meta(c).get("solution") and not nbgrader_meta(c).get("grade")]
     header = {"notebook": nbformat.writes(prepared.nb), "timeout": timeout,
@@ -150,47 +175,79 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
               "graded": {i: {"grade_id": gid, "forbidden": forbidden_of(tests[gid])}
                          for i, gid in prepared.graded.items()}}
     argv = [sys.executable, "-m", "mgpu_lab.course.runner"]
-    cleanup, scratch = [], None
+    cleanup = []
+    scratch = tempfile.TemporaryDirectory(prefix="mgpu-lab-grade-")
     env = _environment(package_dir, box.available)
     if box.available:
         argv, cleanup = command(box, argv, limits, package_dir, env)
         cwd = "/"
     else:
-        scratch = tempfile.TemporaryDirectory(prefix="mgpu-lab-grade-")
-        cwd = env["HOME"] = scratch.name
+        cwd = env["HOME"] = os.path.join(scratch.name, "kernel")
+        os.makedirs(cwd)
         env = dict(os.environ, **{k: v for k, v in env.items() if k not in ("TMPDIR",)})
         if os.environ.get("PYTHONPATH"):
             env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
         for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
-            env[k] = os.path.join(scratch.name, "." + k.lower())
+            env[k] = os.path.join(cwd, "." + k.lower())
+    judge_home = os.path.join(scratch.name, "judge")
+    os.makedirs(judge_home)
+    def _fresh(old=None):
+        if old is not None:
+            old.close()
+        new = Judge(_judge_environment(package_dir, judge_home), judge_home, timeout)
+        if old is not None:
+            new.setup(setup_sources(instructor))
+        return new
+
+    judge = _fresh()
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
     tail = []
     drain = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
     drain.start()
     deadline = monotonic() + (total_timeout or 24 * 3600) + 60
+    verdicts, lines = {}, Lines(proc.stdout)
     try:
         proc.stdin.write((json.dumps(header) + "\n").encode())
         proc.stdin.flush()
+        judge.setup(setup_sources(instructor))      # while the kernel starts
         while True:
-            line = _readline(proc.stdout, deadline)
+            line = lines.next(deadline)
             if line is None:
                 raise RuntimeError("the runner gave no result"
                                    + (f": {tail[-1][-300:]}" if tail else ""))
             msg = json.loads(line)
             if "need" in msg:
-                proc.stdin.write((json.dumps({"source": sources[int(msg["need"])]}) + "\n").encode())
+                i = int(msg["need"])
+                try:
+                    ship, drop = judge.inputs(prepared.graded[i], parts[i].inputs)
+                except JudgeError as err:       # the check itself failed: not the learner's
+                    ship, drop, verdicts[i] = {}, [], ("JudgeError", str(err))
+                    judge = _fresh(judge)
+                reply = {"source": parts[i].probe, "ship": ship, "drop": drop,
+                         "collect": graded_cell.bound_names(parts[i].probe)}
+                proc.stdin.write((json.dumps(reply) + "\n").encode())
                 proc.stdin.flush()
+            elif "answer" in msg:
+                i = int(msg["answer"])
+                if i in verdicts:
+                    continue
+                try:
+                    verdicts[i] = judge.verdict(prepared.graded[i], parts[i].judge,
+                                                msg["names"], msg["missing"])
+                except JudgeError as err:
+                    verdicts[i] = ("JudgeError", str(err))
+                    judge = _fresh(judge)
             else:
                 return ({r["index"]: r for r in msg["results"]},
-                        {int(k): v for k, v in msg.get("violations", {}).items()})
+                        {int(k): v for k, v in msg.get("violations", {}).items()}, verdicts)
     finally:
+        judge.close()
         if proc.poll() is None:
             proc.kill()
         proc.wait()
         remove_cgroups(cleanup)
-        if scratch is not None:
-            scratch.cleanup()
+        scratch.cleanup()
 
 
 def _drain(stream, tail: list, keep: int = 4096) -> None:
@@ -199,20 +256,6 @@ def _drain(stream, tail: list, keep: int = 4096) -> None:
     for chunk in iter(lambda: stream.read1(65536), b""):
         buf = (buf + chunk)[-keep:]
         tail[:] = [buf.decode("utf-8", "replace")]
-
-
-def _readline(stream, deadline: float, limit: int = 2**24) -> Optional[str]:
-    line = b""
-    fd = stream.fileno()
-    while not line.endswith(b"\n"):
-        left = deadline - monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return None
-        chunk = os.read(fd, 65536)
-        if not chunk or len(line) > limit:
-            return None
-        line += chunk
-    return line.decode("utf-8", "replace")
 
 
 def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
@@ -238,15 +281,18 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
     prepared = prepare_submission(submission, instructor)
     grade.notes += prepared.notes
     static = static_check(submission, instructor)
+    tampered = tampering(submission, instructor)
+    grade.tampering = [f"{where}: {what}" for where, what, _ in tampered]
     try:
-        results, runtime = run_prepared(prepared, instructor, box, limits or Limits(),
-                                        timeout, total_timeout)
+        results, runtime, verdicts = run_prepared(prepared, instructor, box,
+                                                  limits or Limits(), timeout, total_timeout)
     except Exception as err:
-        results, runtime = {}, {}
+        results, runtime, verdicts = {}, {}, {}
         grade.error = f"GraderError: {brief(str(err))}"
     where = {gid: i for i, gid in prepared.graded.items()}
     for gid, cell in graded_cells(instructor).items():
         points = float(nbgrader_meta(cell)["points"])
+        observed = observed_of(cell)
         if gid in prepared.missing:
             grade.exercises.append(ExerciseScore(gid, 0.0, points, "Missing",
                                                  "the graded cell and its exercise were deleted"))
@@ -256,16 +302,17 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
         raised = re.search(guard.MESSAGE.format(r"([\w.]+)"), r.get("message") or "")
         if not calls and raised:     # raised in a rank that launch() forked
             calls = [raised.group(1)]
-        if calls:
+        cheats = [f"{w}: {what}" for w, what, gids in tampered if gid in gids]
+        if cheats:
+            error, message = "Tampering", "; ".join(cheats)
+        elif calls:
             error, message = "ForbiddenCall", guard.MESSAGE.format(", ".join(calls))
-        else:
+        elif r["error"]:
             error, message = r["error"], brief(r.get("message") or "")
+        else:
+            error, message = verdicts.get(where[gid], ("NotJudged", "the probe sent nothing"))
+            message = brief(message or "")
         grade.exercises.append(ExerciseScore(gid, 0.0 if error else points, points, error,
-                                             message))
+                                             message, observed))
     grade.seconds = round(monotonic() - start, 2)
     return grade
-
-
-def add_parser(subparsers) -> None:
-    from .classroom import add_parser as add
-    add(subparsers)

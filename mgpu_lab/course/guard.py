@@ -74,11 +74,26 @@ def import_aliases(sources: Iterable[str]) -> Dict[str, str]:
     return aliases
 
 
+def _literal_getattr(node):
+    """``(obj, "name")`` for ``getattr(obj, "name")``, else None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr" and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+        return node.args[0], node.args[1].value
+    return None
+
+
 def _dotted(node, aliases) -> Optional[str]:
+    """``torch.nn.parallel.scatter`` for that chain of names (``getattr(x, "y")`` read as
+    ``x.y``), the first name resolved through the import aliases; None for other nodes."""
     parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
+    while isinstance(node, ast.Attribute) or _literal_getattr(node):
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        else:
+            node, attr = _literal_getattr(node)
+            parts.append(attr)
     if not isinstance(node, ast.Name):
         return None
     parts.append(aliases.get(node.id, node.id))
@@ -119,7 +134,7 @@ def static_violations(source: str, forbidden: List[str], aliases: Dict[str, str]
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in methods:
             found.append(methods[node.attr])
-        if not isinstance(node, (ast.Name, ast.Attribute)):
+        if not isinstance(node, (ast.Name, ast.Attribute)) and not _literal_getattr(node):
             continue
         name = _dotted(node, aliases)
         if name is None:

@@ -37,6 +37,7 @@ from typing import Iterable, List
 
 import nbformat
 
+from . import graded_cell
 from .layout import _cmd_copy, course_dir
 
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -127,12 +128,19 @@ def check_notebook(nb) -> None:
         if BEGIN_SOLUTION in cell.source and not meta.get("solution"):
             raise MarkerError(f"{where}: solution markers in a cell without "
                               "nbgrader metadata {'solution': true, 'grade_id': ...}")
+        if meta.get("grade") and cell.cell_type == "code":
+            try:
+                graded_cell.split(cell.source)
+            except ValueError as err:
+                raise MarkerError(f"{where} ({meta.get('grade_id')}): {err}") from None
         if BEGIN_HIDDEN in cell.source and not meta.get("grade"):
             raise MarkerError(f"{where}: hidden tests in a cell that is not graded "
                               "(nbgrader metadata {'grade': true, 'points': N})")
 
 
 ANSWER_KEY_TAG = "answer-key"
+SETUP_TAG = "setup"    # also runs in the grader's judge process, before the checks
+DEMO_TAG = "demo"      # shows something; defines nothing a check needs: not run when graded
 
 
 def make_lab(solution, lab: str = None) -> nbformat.NotebookNode:

@@ -40,12 +40,20 @@ def print_table(grades, sandbox_line: str, file=None) -> None:
     for student in sorted(table):
         for lab, g in sorted(table[student].items()):
             head = f"{student}  {lab}  {g.score:g}/{g.max_score:g}  ({g.seconds:.1f} s)"
-            print(head + (f"  [{g.error}]" if g.error else ""), file=file)
+            head += f"  [{g.error}]" if g.error else ""
+            head += f"  [TAMPERING: {len(g.tampering)} finding(s)]" if g.tampering else ""
+            print(head, file=file)
             width = max([len("grade_id")] + [len(e.grade_id) for e in g.exercises])
             for e in g.exercises:
                 why = f"{e.error}: {e.message}" if e.error and e.message else e.error or ""
                 print(f"    {e.grade_id:<{width}}  {e.score:4g}/{e.max_score:<4g}  "
                       f"{why if len(why) <= 100 else why[:97] + '...'}", file=file)
+            for e in g.exercises:
+                if e.observed:
+                    print(f"    note: {e.grade_id} observes your kernel, not tamper-proof: "
+                          f"{e.observed}", file=file)
+            for what in g.tampering:
+                print(f"    tampering: {what}", file=file)
             for note in g.notes:
                 print(f"    note: {note}", file=file)
     if len(grades) > 1:
@@ -69,7 +77,8 @@ def write_csv(grades, path) -> None:
     for g in grades:
         if not g.lab:
             continue
-        for key in [g.lab] + [f"{g.lab}:{e.grade_id}" for e in g.exercises]:
+        for key in ([g.lab] + [f"{g.lab}:{e.grade_id}" for e in g.exercises]
+                    + [f"{g.lab}:tampering"]):
             if key not in columns:
                 columns.append(key)
     columns.sort(key=lambda c: (c.split(":")[0], ":" in c))
@@ -82,6 +91,7 @@ def write_csv(grades, path) -> None:
             for g in labs:
                 cells[g.lab] = g.score
                 cells.update({f"{g.lab}:{e.grade_id}": e.score for e in g.exercises})
+                cells[f"{g.lab}:tampering"] = len(g.tampering) or ""
             writer.writerow([student, sum(g.score for g in labs), sum(g.max_score for g in labs)]
                             + [cells.get(c, "") for c in columns])
 
@@ -106,6 +116,9 @@ def write_feedback(grades, folder) -> List[Path]:
                     result = result[:FEEDBACK_LIMIT].replace("|", "\\|").replace("\n", " ")
                     lines.append(f"| {e.grade_id} | {e.score:g} / {e.max_score:g} | {result} |")
                 lines.append("")
+            lines += [f"- tampering: {t[:FEEDBACK_LIMIT]}" for t in g.tampering]
+            lines += [f"- {e.grade_id} observes your kernel (not tamper-proof): "
+                      f"{e.observed[:FEEDBACK_LIMIT]}" for e in g.exercises if e.observed]
             lines += [f"- {n[:FEEDBACK_LIMIT]}" for n in g.notes]
             path = Path(folder) / _safe(student) / f"{_safe(lab)}.md"
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,23 +3,56 @@
     python -m mgpu_lab.course.runner      (started by the grader, never by hand)
 
 The grader writes one JSON line (the submission with every graded cell's source
-left out, the limits, the "must not call" lists) and answers, one JSON line
-each, the runner's ``{"need": index}`` requests with that graded cell's source,
-hidden tests included, just before it runs: the sandbox never holds the
-instructor's notebook, and never a graded cell before its turn. The runner
-answers with one line, ``{"results": [...], "violations": {...}}``. The kernel
-(a child of the runner) has neither end of the pipe; its output goes to stderr.
+left out, the limits, the "must not call" lists). Before each graded cell the
+runner asks ``{"need": index}``; the grader answers with the cell's *probe*
+part (:mod:`mgpu_lab.course.graded_cell`) and the check's inputs as plain data,
+which the runner loads into the kernel's namespace before the probe runs. After
+it, the runner saves the names the probe bound (``torch.save`` in the kernel)
+and sends them back, ``{"answer": index, "names": {...}}``: the grader's judge
+process reads them as plain data and decides. The sandbox never holds a judge,
+the instructor's notebook, or a graded cell before its turn. At the end: one
+line, ``{"results": [...], "violations": {...}}``. The kernel (a child of the
+runner) has neither end of the pipe; its output goes to stderr.
 """
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 GUARD = '__import__("mgpu_lab.course.guard", fromlist=["guard"])'
 PLACEHOLDER = "# graded cell: the grader hands its source in when it runs"
 MESSAGE_LIMIT = 2000
+ANSWER_LIMIT = 64 * 2**20          # bytes of probe data per graded cell
+# Run silently in the kernel around a graded cell (no names left behind).
+LOAD = """def _mgpu_lab_io(ship, drop):
+    import torch
+    ns = get_ipython().user_ns
+    for name in drop:
+        ns.pop(name, None)
+    for name, path in ship.items():
+        ns[name] = torch.load(path, weights_only=True)
+try:
+    _mgpu_lab_io({ship!r}, {drop!r})
+finally:
+    del _mgpu_lab_io"""
+SAVE = """def _mgpu_lab_io(names, folder):
+    import os, torch
+    ns = get_ipython().user_ns
+    for name in names:
+        if name in ns:
+            try:
+                torch.save(ns[name], os.path.join(folder, name + ".pt"))
+            except Exception:
+                pass
+try:
+    _mgpu_lab_io({names!r}, {folder!r})
+finally:
+    del _mgpu_lab_io"""
 WAIT_CHILDREN = """import os as _os
 try:
     while _os.waitpid(-1, _os.WNOHANG)[0]:
@@ -93,12 +126,22 @@ def main() -> int:
     trusted = header.get("trusted", [])
     violations = {}
 
+    io_dir = tempfile.mkdtemp(prefix="mgpu-lab-check-")
+    collect = {}
+
     async def before(client, index, cell):
         if index not in graded:
             return
         proto_out.write(json.dumps({"need": index}) + "\n")
         proto_out.flush()
-        cell.source = json.loads(proto_in.readline())["source"]
+        msg = json.loads(proto_in.readline())
+        cell.source, collect[index] = msg["source"], msg["collect"]
+        ship = {}
+        for name, data in msg["ship"].items():
+            ship[name] = os.path.join(io_dir, f"{index}-in-{name}.pt")
+            with open(ship[name], "wb") as f:
+                f.write(base64.b64decode(data))
+        await silent(client, LOAD.format(ship=ship, drop=msg["drop"]))
         forbidden = graded[index].get("forbidden") or []
         if forbidden:
             await silent(client, f"{GUARD}.install({forbidden!r}, {[cell.source] + trusted!r}, "
@@ -122,10 +165,31 @@ def main() -> int:
                 seen = []
             if seen:
                 violations[index] = [str(v)[:200] for v in seen][:10]
+        if index in graded and result.error is None:
+            proto_out.write(json.dumps(await _answer(client, index, collect[index])) + "\n")
+            proto_out.flush()
+
+    async def _answer(client, index, names):
+        """The probe's names as plain-data bytes (base64); the rest listed as missing."""
+        folder = os.path.join(io_dir, f"{index}-out")
+        os.makedirs(folder, exist_ok=True)
+        await silent(client, SAVE.format(names=names, folder=folder), wait=60.0)
+        answer, missing, total = {}, [], 0
+        for name in names:
+            path = os.path.join(folder, name + ".pt")
+            size = os.path.getsize(path) if os.path.isfile(path) else None
+            if size is None or total + size > ANSWER_LIMIT:
+                missing.append(name)
+                continue
+            total += size
+            with open(path, "rb") as f:
+                answer[name] = base64.b64encode(f.read()).decode("ascii")
+        return {"answer": index, "names": answer, "missing": missing}
 
     results = run_notebook(nb, cwd=os.getcwd(), timeout=header["timeout"],
                            total_timeout=header.get("total_timeout"), progress=False,
                            before=before, after=after, graded_history=False)
+    shutil.rmtree(io_dir, ignore_errors=True)
     out = [{"index": r.index, "error": r.error, "message": (r.message or "")[:MESSAGE_LIMIT],
             "seconds": round(r.seconds, 3)} for r in results]
     proto_out.write(json.dumps({"results": out, "violations": violations}) + "\n")

@@ -9,6 +9,7 @@ the grader-side half of "this exercise must not call X" (:mod:`.guard`).
 """
 from __future__ import annotations
 
+import ast
 import copy
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -16,7 +17,7 @@ from typing import Dict, List, Optional
 import nbformat
 
 from . import guard
-from .notebooks import graded_cells, nbgrader_meta
+from .notebooks import DEMO_TAG, graded_cells, nbgrader_meta
 from .runner import PLACEHOLDER
 
 
@@ -36,6 +37,12 @@ def forbidden_of(cell) -> List[str]:
     return list((cell.metadata.get("mgpu_lab") or {}).get("reimplements") or [])
 
 
+def observed_of(cell) -> str:
+    """What a graded cell observes inside the learner's kernel (its metadata says):
+    such a check is not tamper-proof, and the report says so."""
+    return str((cell.metadata.get("mgpu_lab") or {}).get("observed") or "")
+
+
 @dataclass
 class Prepared:
     nb: nbformat.NotebookNode              # graded cells' sources left out
@@ -52,6 +59,8 @@ def prepare_submission(student, instructor) -> Prepared:
         cell = copy.deepcopy(cell)
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+            if DEMO_TAG in cell.metadata.get("tags", []) and not nbgrader_meta(cell):
+                cell = nbformat.v4.new_markdown_cell("(a demo cell: not run when graded)")
         cells.append(cell)
     last = {}
     for index, cell in enumerate(cells):
@@ -89,11 +98,41 @@ def prepare_submission(student, instructor) -> Prepared:
     return Prepared(nb, graded, missing, notes)
 
 
+def given_statements(instructor) -> set:
+    """Every top-level statement of the lab's given code cells, as ``ast.unparse`` writes it."""
+    from .notebooks import make_lab
+    out = set()
+    for cell in make_lab(instructor).cells:
+        meta = nbgrader_meta(cell)
+        if cell.cell_type == "code" and not meta.get("solution") and not meta.get("grade"):
+            tree = guard._parse(cell.source)
+            out.update(ast.unparse(s) for s in (tree.body if tree else []))
+    return out
+
+
+def learners_lines(source: str, given: set, whole: bool = False) -> set:
+    """Line numbers of ``source`` that the learner wrote: in statements the lab did not
+    give (every line, ``whole``, for a solution cell)."""
+    tree = guard._parse(source)
+    lines = set()
+    for stmt in tree.body if tree else []:
+        if whole or ast.unparse(stmt) not in given:
+            lines.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+    return lines
+
+
+BINDS = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.FunctionDef, ast.AsyncFunctionDef,
+         ast.ClassDef, ast.Import, ast.ImportFrom)
+
+
 def static_check(student, instructor) -> Dict[str, List[str]]:
-    """``{graded grade_id: forbidden references its solution cell names}``."""
+    """``{graded grade_id: forbidden references its solution cell names}``, and those
+    that a statement of the learner's in another cell above binds to a name (an alias,
+    a helper, an import: a way round the check from elsewhere)."""
     tests, exercise = graded_cells(instructor), exercise_of(instructor)
     sources = [c.source for c in student.cells if c.cell_type == "code"]
     aliases = guard.import_aliases(sources)
+    given = given_statements(instructor)
     found = {}
     for gid, cell in tests.items():
         forbidden = forbidden_of(cell)
@@ -101,8 +140,19 @@ def static_check(student, instructor) -> Dict[str, List[str]]:
             continue
         hits = set()
         for c in student.cells:
-            if c.cell_type == "code" and nbgrader_meta(c).get("grade_id") == exercise[gid]:
+            if c.cell_type != "code":
+                continue
+            meta = nbgrader_meta(c)
+            if meta.get("grade_id") == exercise[gid]:
                 hits.update(guard.static_violations(c.source, forbidden, aliases))
+                break                        # cells below the exercise cannot serve it
+            if meta.get("grade_id") in tests:
+                continue
+            tree = guard._parse(c.source)
+            lines = learners_lines(c.source, given)
+            for stmt in tree.body if tree else []:
+                if stmt.lineno in lines and isinstance(stmt, BINDS):
+                    hits.update(guard.static_violations(ast.unparse(stmt), forbidden, aliases))
         if hits:
             found[gid] = sorted(hits)
     return found
