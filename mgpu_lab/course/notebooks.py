@@ -174,7 +174,8 @@ def _text(nb) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def build_labs(solutions: Path, labs: Path, check: bool = False) -> List[str]:
+def build_labs(solutions: Path, labs: Path, check: bool = False,
+               only: Iterable[str] = ()) -> List[str]:
     """Generate ``labs/`` from ``solutions/``; return what was (or is) stale.
 
     With ``check=True`` nothing is written: the returned list names each lab
@@ -186,8 +187,11 @@ def build_labs(solutions: Path, labs: Path, check: bool = False) -> List[str]:
         raise FileNotFoundError(f"no solutions folder at {solutions}")
     stale = []
     wanted = set()
+    only = {Path(o).name for o in only}
     for src in sorted(solutions.glob("*.ipynb")):
         wanted.add(src.name)
+        if only and src.name not in only:
+            continue
         solution = nbformat.read(src, as_version=4)
         if lab_id(solution) != src.stem:   # the id travels with the solution too
             stale.append(f"{src} (no lab id)")
@@ -204,7 +208,7 @@ def build_labs(solutions: Path, labs: Path, check: bool = False) -> List[str]:
             if not check:
                 labs.mkdir(parents=True, exist_ok=True)
                 dest.write_text(text, encoding="utf-8")
-    for orphan in sorted(labs.glob("*.ipynb")) if labs.is_dir() else []:
+    for orphan in sorted(labs.glob("*.ipynb")) if labs.is_dir() and not only else []:
         if orphan.name not in wanted:
             stale.append(f"{orphan} (no solution {solutions / orphan.name})")
             if not check:
@@ -243,7 +247,7 @@ def execute_notebook(path: Path, timeout: float = 600.0) -> List[str]:
 def _cmd_build(args) -> int:
     try:
         args.solutions, args.labs = course_dir(args, "solutions"), course_dir(args, "labs")
-        stale = build_labs(args.solutions, args.labs, check=args.check)
+        stale = build_labs(args.solutions, args.labs, check=args.check, only=args.notebooks)
     except (MarkerError, FileNotFoundError) as err:
         print(f"mgpu-lab labs build: {err}", file=sys.stderr)
         return 2
@@ -286,6 +290,8 @@ def add_parser(subparsers) -> None:
     sub = labs.add_subparsers(dest="labs_command", metavar="ACTION")
     sub.required = True
     build = sub.add_parser("build", help="generate labs/ from solutions/")
+    build.add_argument("notebooks", nargs="*", metavar="SOLUTION",
+                       help="only these solution notebooks (default: all)")
     build.add_argument("--check", action="store_true",
                        help="write nothing; exit 1 when labs/ is stale")
     build.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")

@@ -15,7 +15,12 @@ this pass flags, in every code cell the learner wrote or edited:
 - running built strings: ``exec``, ``eval``, ``compile``, ``__import__`` of a
   non-literal; ``getattr`` of a computed name on a module;
 - frames, code objects and raw memory: ``sys._getframe``, ``inspect.currentframe``,
-  ``f_back``/``f_globals``/``__code__``/``__globals__``, ``ctypes``, ``gc.get_objects``.
+  ``f_back``/``f_globals``/``__code__``/``__globals__``, ``globals()``, ``ctypes``,
+  ``gc.get_objects``;
+- rebinding a name a check's probe uses (``launch``, ``torch``, a helper the lab
+  gives): the probe would call the learner's stand-in instead of the real thing;
+- a solution that reads a check's inputs (``batch``) as a global instead of
+  taking them as arguments.
 
 It is a list of patterns, not a proof: the README says what it does not catch.
 """
@@ -34,7 +39,7 @@ FORBIDDEN_NAMES = {"sys.modules": "touches sys.modules", "__builtins__": "touche
                    "importlib.reload": "reloads a module", "sys._getframe": "reads frames",
                    "inspect.currentframe": "reads frames", "inspect.stack": "reads frames",
                    "gc.get_objects": "walks every object", "gc.get_referrers": "walks every object",
-                   "ctypes": "uses ctypes (raw memory)"}
+                   "ctypes": "uses ctypes (raw memory)", "globals": "reads globals()"}
 FRAME_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame", "gi_frame",
                "__code__", "__globals__", "__closure__"}
 
@@ -106,17 +111,64 @@ def findings(source: str, aliases: Dict[str, str]) -> List[str]:
 
 # --- a whole submission -------------------------------------------------------
 
+def _probe_uses(probe: str) -> set:
+    """The names a probe part reads from the kernel's namespace."""
+    import builtins
+    tree = ast.parse(probe)
+    loads = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    bound |= {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+    return loads - bound - set(dir(builtins))
+
+
+def _global_reads(source: str) -> set:
+    """Names ``source`` reads without binding them itself, in any scope."""
+    import symtable
+    tree = _parse(source)
+    if tree is None:
+        return set()
+    try:
+        top = symtable.symtable(ast.unparse(tree), "<cell>", "exec")
+    except SyntaxError:
+        return set()
+    out, scopes = set(), [top]
+    while scopes:
+        scope = scopes.pop()
+        scopes += scope.get_children()
+        for sym in scope.get_symbols():
+            if scope is top:
+                if sym.is_referenced() and not (sym.is_assigned() or sym.is_imported()):
+                    out.add(sym.get_name())
+            elif sym.is_global() and sym.is_referenced():
+                out.add(sym.get_name())
+    return out
+
+
 def tampering(submission, instructor):
-    """``[(where, what, grade_ids)]``: each finding of :func:`findings` in what the
-    learner wrote (solution cells, and statements the lab did not give), with the
-    graded cells it costs: its exercise's own when found in a solution cell, else
-    the next exercise's below it (none: the notebook is marked, no exercise lost)."""
+    """``[(where, what, grade_ids)]``: each finding in what the learner wrote (solution
+    cells, and statements the lab did not give) with the graded cells it costs.
+
+    A finding of :func:`findings` costs its exercise when it is in a solution cell,
+    else the next exercise's below it (none: the notebook is marked, no exercise
+    lost). Rebinding a name that a later check's probe uses costs that check; a
+    solution that reads a check's inputs as globals costs its exercise.
+    """
+    from . import graded_cell
     from .notebooks import graded_cells, nbgrader_meta
     from .submission import exercise_of, given_statements, learners_lines
     tests, exercise = graded_cells(instructor), exercise_of(instructor)
     gids_of = {}
     for gid, ex in exercise.items():
         gids_of.setdefault(ex, []).append(gid)
+    parts = {gid: graded_cell.split(c.source) for gid, c in tests.items()}
+    uses = {gid: _probe_uses(p.probe) for gid, p in parts.items()}
+    given_code = [c.source for c in instructor.cells if c.cell_type == "code"
+                  and not nbgrader_meta(c).get("solution") and not nbgrader_meta(c).get("grade")]
+    given_aliases = import_aliases(given_code)
+    answers = {n for c in instructor.cells if nbgrader_meta(c).get("solution")
+               and c.cell_type == "code" for n in graded_cell.bound_names(c.source)}
+    inputs = {n for p in parts.values() for n in graded_cell.bound_names(p.inputs)}
+    inputs -= set(given_aliases) | answers
     given, cells = given_statements(instructor), submission.cells
     aliases = import_aliases([c.source for c in cells if c.cell_type == "code"])
     out = []
@@ -126,11 +178,26 @@ def tampering(submission, instructor):
             continue
         own = meta.get("grade_id") if meta.get("solution") else None
         lines = learners_lines(cell.source, given, whole=bool(own))
-        later = (nbgrader_meta(c).get("grade_id") for c in cells[pos + 1:]
-                 if nbgrader_meta(c).get("solution"))
+        later = [nbgrader_meta(c).get("grade_id") for c in cells[pos + 1:]
+                 if nbgrader_meta(c).get("grade_id") in exercise.values()]
         costs = gids_of.get(own) or next((gids_of[e] for e in later if e in gids_of), [])
         where = f"cell {pos}" + (f" ({own})" if own else "")
         for what in findings(cell.source, aliases):
             if int(what.split(":")[0].split()[1]) in lines:
                 out.append((where, what, list(costs)))
+        tree = _parse(cell.source)
+        for stmt in tree.body if tree else []:
+            if stmt.lineno not in lines:
+                continue
+            for name in graded_cell.bound_names(ast.unparse(stmt)):
+                same_import = (isinstance(stmt, (ast.Import, ast.ImportFrom)) and
+                               import_aliases([ast.unparse(stmt)]).get(name) == given_aliases.get(name))
+                hit = [g for e in [own] + later for g in gids_of.get(e, []) if name in uses[g]]
+                if hit and not same_import and name not in answers:
+                    out.append((where, f"line {stmt.lineno}: rebinds `{name}`, which the checks "
+                                       "use", hit))
+        if own:
+            for name in sorted(_global_reads(cell.source) & inputs):
+                out.append((where, f"reads `{name}`, a name of a check's inputs, instead of its "
+                                   "arguments", list(costs)))
     return out

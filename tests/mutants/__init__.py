@@ -1,0 +1,82 @@
+"""Mutants: plausible wrong answers, kept to prove that each exercise's check rejects them.
+
+Each lab has a file here (``lab00_setup.py`` for ``solutions/00_setup.ipynb``) that
+sets ``LAB`` and defines one function per mutant::
+
+    @mutant("rank_slice", "wrong")
+    def floor_instead_of_ceil(solution: str) -> str:
+        "rows // world_size per rank: the last rows are lost"
+        return swap(solution, "-(-rows // world_size)", "rows // world_size")
+
+The function gets the exercise cell's solution source and returns the source that
+is graded in its place; the docstring names the mistake. The kinds:
+
+- ``wrong``: the topic's classic conceptual error;
+- ``reference``: a call of what the exercise re-implements (directly, through an
+  alias, ``getattr`` or a helper defined in another cell);
+- ``copy``: code visible in the student notebook, copied as the answer;
+- ``tamper``: an attempt on the kernel (``torch.equal = ...``, IPython hooks, a
+  redefined helper of the notebook).
+
+``tests/test_mutants.py`` grades every lab with its mutants in place and requires a
+kill rate of 100 %: each mutant scores 0 on its exercise, for the right reason.
+"""
+import importlib
+import pkgutil
+import re
+import textwrap
+from dataclasses import dataclass
+from typing import Callable, List
+
+KINDS = ("wrong", "reference", "copy", "tamper")
+_REGISTRY: List["Mutant"] = []
+
+
+@dataclass
+class Mutant:
+    lab: str
+    exercise: str          # the grade_id of the exercise's solution cell
+    kind: str
+    name: str
+    mistake: str
+    make: Callable[[str], str]
+
+
+def mutant(exercise: str, kind: str):
+    """Register the decorated function as a mutant of ``exercise`` (its module's LAB)."""
+    assert kind in KINDS, kind
+
+    def register(fn):
+        lab = importlib.import_module(fn.__module__).LAB
+        _REGISTRY.append(Mutant(lab, exercise, kind, fn.__name__,
+                                (fn.__doc__ or "").strip(), fn))
+        return fn
+    return register
+
+
+def swap(source: str, old: str, new: str, count: int = 1) -> str:
+    """``source`` with ``old`` replaced by ``new`` (which must be there)."""
+    assert old in source, f"mutant out of date: {old!r} is not in the solution"
+    return source.replace(old, new, count)
+
+
+def body(solution: str, code: str) -> str:
+    """The solution cell with the region between its SOLUTION markers replaced by
+    ``code`` (dedented, then indented as the markers are)."""
+    m = re.search(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",
+                  solution, re.S | re.M)
+    assert m, "no solution markers in the exercise cell"
+    code = textwrap.indent(textwrap.dedent(code).strip("\n"), m.group(1))
+    return solution[: m.start()] + code + solution[m.end():]
+
+
+def prepend(solution: str, code: str) -> str:
+    """``code`` put before the whole cell (a tampering attempt above the answer)."""
+    return textwrap.dedent(code).strip("\n") + "\n" + solution
+
+
+def all_mutants() -> List[Mutant]:
+    """Every mutant of every lab file in this package."""
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+    return list(_REGISTRY)
