@@ -30,6 +30,9 @@ from conftest import ROOT
 DATA = Path(__file__).parent / "data" / "grader"
 TOY = DATA / "solutions" / "toy.ipynb"
 SANDBOX = probe()
+# Grading refuses to run without a sandbox unless told --no-sandbox (the toy notebooks
+# here are ours); where bubblewrap works, everything below runs sandboxed.
+UNSANDBOXED_IF_NEEDED = [] if SANDBOX.available else ["--no-sandbox"]
 ADD, MUL = "def add(a, b):\n    return a + b", "def mul(a, b):\n    return a * b"
 
 
@@ -151,7 +154,7 @@ def graded(tmp_path_factory):
     out = tmp / "out"
     code = cli(["grade", str(klass), "--root", str(tmp / "course"), "--timeout", "10",
                 "--jobs", "3", "--memory", "2", "--quiet", "--json", str(tmp / "g.json"),
-                "--csv", str(tmp / "g.csv"), "--feedback", str(out)])
+                "--csv", str(tmp / "g.csv"), "--feedback", str(out)] + UNSANDBOXED_IF_NEEDED)
     report = json.loads((tmp / "g.json").read_text())
     by_name = {nb["student"]: nb for nb in report["notebooks"] if nb["lab"] or nb["error"]}
     by_name["bob/notes"] = next(nb for nb in report["notebooks"] if nb["path"].endswith("notes.ipynb"))
@@ -288,7 +291,7 @@ def test_lab00_solution_full_marks_and_lab_zero_in_the_sandbox(tmp_path, capsys)
     shutil.copy(ROOT / "solutions" / "00_setup.ipynb", tmp_path / "teacher.ipynb")
     shutil.copy(ROOT / "labs" / "00_setup.ipynb", tmp_path / "blank.ipynb")
     assert cli(["grade", str(tmp_path), "--root", str(ROOT), "--jobs", "2", "--quiet",
-                "--json", str(tmp_path / "g.json")]) == 0
+                "--json", str(tmp_path / "g.json")] + UNSANDBOXED_IF_NEEDED) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("sandbox: bubblewrap" if SANDBOX.available else "sandbox: OFF")
     grades = {nb["student"]: nb for nb in json.loads((tmp_path / "g.json").read_text())["notebooks"]}
@@ -299,14 +302,26 @@ def test_lab00_solution_full_marks_and_lab_zero_in_the_sandbox(tmp_path, capsys)
     assert all(e["score"] == 0 and e["error"] for e in lab["exercises"]), lab["exercises"]
 
 
-def test_require_sandbox_is_an_error_without_one(monkeypatch, capsys):
+@pytest.mark.parametrize("flags", [[], ["--require-sandbox"]])
+def test_without_a_sandbox_grading_refuses_unless_told_no_sandbox(monkeypatch, capsys, flags):
+    """Sandboxed by default: no bubblewrap is an error that says how to install it and why."""
     import mgpu_lab.course.classroom as classroom
     monkeypatch.setattr(classroom, "probe", lambda hidden=(): Sandbox(False, "bwrap not found"))
-    assert cli(["grade", str(TOY), "--solutions", str(DATA / "solutions"),
-                "--require-sandbox"]) == 2
+    assert cli(["grade", str(TOY), "--solutions", str(DATA / "solutions")] + flags) == 2
     out = capsys.readouterr()
     assert out.out.splitlines()[0].startswith("sandbox: OFF (bwrap not found)")
-    assert "--require-sandbox" in out.err
+    assert "apt-get install bubblewrap" in out.err and "--no-sandbox" in out.err
+    assert "your permissions" in out.err
+
+
+def test_no_sandbox_grades_and_says_so(monkeypatch, capsys, tmp_path):
+    assert cli(["grade", str(TOY), "--solutions", str(DATA / "solutions"), "--no-sandbox",
+                "--quiet", "--json", str(tmp_path / "g.json")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == \
+        "sandbox: OFF (--no-sandbox); submissions run with your permissions"
+    report = json.loads((tmp_path / "g.json").read_text())
+    assert report["sandbox"].startswith("sandbox: OFF")
+    assert report["notebooks"][0]["sandboxed"] is False and report["notebooks"][0]["score"] == 5
 
 
 # --- the pieces, without kernels -----------------------------------------------
