@@ -8,7 +8,9 @@ exercises filled in from solutions/, as a learner who solved them has it: Run > 
 Cells, then every code cell has run and none raised); lab 04's ring all-reduce widget is
 rendered and its slider moved with the keyboard (the figure changes); a `launch()` cell
 whose rank 0 prints, then sleeps, shows the printed line while the cell still runs.
-Screenshots go to test-artifacts/browser/ (gitignored).
+Screenshots go to test-artifacts/browser/ (gitignored). A dialog that a slow kernel start
+can raise (Select Kernel, ...) is answered as a learner would; any other dialog fails the
+test with its title and text, and a screenshot.
 
 Skipped, with the reason printed, when chromium or playwright is missing:
     apt-get install -y chromium && python -m pip install playwright
@@ -161,20 +163,63 @@ def open_notebook(page, lab_server, name):
     base, token, _ = lab_server
     page.goto(f"{base}/lab/tree/{name}?reset&token={token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell")
+    handle_dialogs(page, f"opening {name}")
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']")  # the kernel is up
-    page.locator(".jp-NotebookPanel .jp-Cell").first.click()
+    click(page, page.locator(".jp-NotebookPanel .jp-Cell").first, f"in {name}")
+
+
+# Dialogs JupyterLab may show while a kernel starts slowly on a loaded machine, and the
+# button that answers each as a learner would. Any other dialog fails the test with its
+# title, its text and a screenshot.
+HARMLESS_DIALOGS = {"Select Kernel": "Select", "Kernel Restarting": "Ok",
+                    "No Kernel": "Ok", "Kernel Busy": "Ok"}
+
+
+def handle_dialogs(page, where: str) -> None:
+    """Answer the harmless dialogs that are open; fail on any other one."""
+    for _ in range(5):
+        dialog = page.locator(".jp-Dialog")
+        if dialog.count() == 0:
+            return
+        title = page.locator(".jp-Dialog-header").first.inner_text().strip()
+        body = page.locator(".jp-Dialog-body").first.inner_text().strip()
+        if title not in HARMLESS_DIALOGS:
+            shot = ARTIFACTS / f"dialog_{re.sub(r'[^A-Za-z0-9]+', '_', where)}.png"
+            page.screenshot(path=str(shot), full_page=True)
+            pytest.fail(f"an unexpected JupyterLab dialog {where}: {title!r}: {body[:500]!r} "
+                        f"(screenshot {shot})")
+        buttons = page.locator(".jp-Dialog-footer button")
+        wanted = buttons.filter(has_text=HARMLESS_DIALOGS[title])
+        (wanted if wanted.count() else page.locator(".jp-Dialog-footer .jp-mod-accept")).first.click()
+        time.sleep(0.5)
+    pytest.fail(f"JupyterLab kept opening dialogs {where}")
+
+
+def click(page, locator, where: str) -> None:
+    """Click, answering a harmless dialog in the way (at most 3 tries of 15 s)."""
+    for attempt in range(3):
+        handle_dialogs(page, where)
+        try:
+            locator.click(timeout=15_000)
+            return
+        except Exception:
+            if attempt == 2:
+                handle_dialogs(page, where)
+                raise
 
 
 def run_all(page):
     """Run > Run All Cells; again if no cell started (a kernel still connecting ignores it)."""
     for _ in range(5):
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+        click(page, page.get_by_role("menuitem", name="Run", exact=True), "before the Run menu")
+        click(page, page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")),
+              "before Run All Cells")
         try:
             page.wait_for_function("""() => Array.from(document.querySelectorAll('.jp-InputPrompt'))
                 .some(p => /[0-9*]/.test(p.textContent))""", timeout=10_000)
             return
         except Exception:
+            handle_dialogs(page, "after Run All Cells")
             page.keyboard.press("Escape")
     raise AssertionError("Run > Run All Cells started no cell in 50 s")
 
@@ -187,6 +232,7 @@ def test_lab_00_runs_top_to_bottom_through_the_ui(page, lab_server):
     deadline = time.monotonic() + 120
     while True:
         time.sleep(2)
+        handle_dialogs(page, "while lab 00 runs")
         page.keyboard.press("Control+s")  # save, then read what the UI ran from disk
         time.sleep(0.5)
         nb = nbformat.read(path, as_version=4)

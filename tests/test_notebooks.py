@@ -9,7 +9,7 @@ import pytest
 
 from mgpu_lab.course import notebooks
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course.notebooks import MarkerError, build_labs, make_lab, strip_solution
+from mgpu_lab.course.notebooks import MarkerError, build_labs, graded_cells, make_lab, strip_solution
 from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"
@@ -195,3 +195,19 @@ def test_answer_key_cells_stay_in_the_solution():
     lab = make_lab(solution)
     assert len(lab.cells) == len(solution.cells) - 1
     assert "Answers." not in nbformat.writes(lab)
+
+
+def test_readme_lab_table_matches_the_notebooks():
+    """README's "The labs" table: one row per solution, with its exercises and points."""
+    import re
+    from mgpu_lab.course.submission import exercise_of
+    readme = (ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| (\d\d) \|.*?\| (\d+ \(\d+\)) \|", readme, re.M))
+    want = {}
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        tests = graded_cells(nb)
+        exercises = set(exercise_of(nb).values())
+        points = sum(c.metadata["nbgrader"]["points"] for c in tests.values())
+        want[path.stem[:2]] = f"{len(exercises)} ({points:g})"
+    assert rows == want, f"README says {rows}, the notebooks have {want}"
