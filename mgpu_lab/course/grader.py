@@ -2,7 +2,7 @@
 
     mgpu-lab grade PATH... [--root DIR | --solutions DIR] [--json FILE] [--csv FILE]
                    [--feedback DIR] [--jobs N] [--timeout S] [--total-timeout S]
-                   [--require-sandbox | --no-sandbox] [--memory GIB]
+                   [--no-sandbox] [--memory GIB]
 
 PATH is a notebook, or a class folder: ``DIR/<student>/**/*.ipynb`` (so
 nbgrader's ``submitted/<student>/<lab>/`` too) and flat ``DIR/*.ipynb`` (the
@@ -14,14 +14,18 @@ a line in the report and the run goes on.
 Before running, every graded cell is the instructor's (hidden tests included):
 an edited one is replaced, a duplicated one runs once (its last copy), a deleted
 one is put back after its exercise (scored 0, "Missing", when the exercise is
-gone too). A graded cell scores its points when it raises nothing and, for a
-from-scratch exercise, its solution calls none of the references it
-re-implements (:mod:`mgpu_lab.course.guard`). Cells have ``--timeout`` seconds,
-the notebook ``--total-timeout``; a dead kernel is restarted and the earlier
-cells replayed (:mod:`mgpu_lab.course.kernel`). Everything runs in a sandbox
-(:mod:`mgpu_lab.course.sandbox`) where bubblewrap can make one; the first line
-says whether it did. The exit status is 0 whatever the scores; 1 when the
-grader itself failed on a notebook; 2 on bad usage.
+gone too). Cells tagged ``demo`` are not run. A graded cell is split in three
+(:mod:`mgpu_lab.course.graded_cell`): its inputs and judge run in a judge
+process of ours (:mod:`mgpu_lab.course.judge`), its probe in the sandboxed
+kernel; it scores its points when the probe and the judge raise nothing, the
+learner's cells show no tampering (:mod:`mgpu_lab.course.tamper`) and, for a
+from-scratch exercise, no reference it re-implements is called
+(:mod:`mgpu_lab.course.guard`). Cells have ``--timeout`` seconds, the notebook
+``--total-timeout``; a dead kernel is restarted and the earlier cells replayed
+(:mod:`mgpu_lab.course.kernel`). Everything runs in a sandbox
+(:mod:`mgpu_lab.course.sandbox`): without one the command refuses unless told
+``--no-sandbox``; the first line says which. The exit status is 0 whatever the
+scores; 1 when the grader itself failed on a notebook; 2 on bad usage.
 """
 from __future__ import annotations
 
