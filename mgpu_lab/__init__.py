@@ -91,3 +91,13 @@ from .parallel.tensor_parallel import (
 )
 from .parallel.tensor_parallel_blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock, TransformerBlock
 from .parallel.loss_parallel import vocab_parallel_cross_entropy
+from .parallel.pipeline import (
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    check_order,
+    gpipe_order,
+    held_microbatches,
+    one_f_one_b_order,
+)
