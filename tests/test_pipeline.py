@@ -173,6 +173,37 @@ def test_custom_order_and_clear_errors():
     assert "stage i runs on rank i" in e0[1] and "stage i runs on rank i" in e1[1]
 
 
+def _hand_written_gpipe_step():
+    """The GPipe step as a learner writes it with the stage's two actions; equals ScheduleGPipe."""
+    rank = dist.get_rank()
+    x, y = _data()
+    grads = []
+    for hand_written in (True, False):
+        module = _stage_module(_model(), rank, 2)
+        stage = PipelineStage(module, rank, 2)
+        if hand_written:
+            stage.reset()
+            xs, ys, losses = x.tensor_split(M), y.tensor_split(M), []
+            for k in range(M):
+                out = stage.forward_one_chunk(k, xs[k] if stage.is_first else None)
+                if stage.is_last:
+                    losses.append(F.mse_loss(out, ys[k]))
+            for k in range(M):
+                stage.backward_one_chunk(k, losses[k] / M if stage.is_last else None)
+            stage.finish()
+        else:
+            schedule = ScheduleGPipe(stage, M, F.mse_loss)
+            schedule.step(x) if rank == 0 else schedule.step(target=y)
+        grads.append([q.grad for q in module.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*grads)), stage.timeline
+
+
+def test_a_hand_written_gpipe_step_equals_schedule_gpipe():
+    for rank, (diff, timeline) in enumerate(launch(_hand_written_gpipe_step, nprocs=2, timeout=60)):
+        assert diff < TOL
+        assert timeline == gpipe_order(rank, 2, M)
+
+
 def _one_stage_missing():
     rank = dist.get_rank()
     stage = PipelineStage(_stage_module(_model(), rank, 2), rank, 2, timeout=1.0)
@@ -224,3 +255,27 @@ def test_pipeline_of_tensor_parallel_stages_on_a_2x2_grid():
     for rank, diffs in enumerate(launch(_pipeline_of_tensor_parallel_stages, nprocs=4, timeout=120)):
         assert len(diffs) == (3 if rank < 2 else 4)
         assert max(diffs) < TOL, f"rank {rank}: {diffs}"
+
+
+def _orders_that_disagree():
+    rank = dist.get_rank()
+    stage = PipelineStage(_stage_module(_model(), rank, 2), rank, 2, timeout=10.0)
+    x, y = _data()
+    if rank == 0:
+        schedule = PipelineSchedule(stage, 2, F.mse_loss, order=lambda s, p, m: gpipe_order(s, p, m))
+        try:
+            schedule.step(x)
+        except RuntimeError:  # stage 1 gave up: the connection closes
+            pass
+        return None
+    reverse = lambda s, p, m: [("F", 1), ("F", 0), ("B", 1), ("B", 0)]  # noqa: E731
+    try:
+        PipelineSchedule(stage, 2, F.mse_loss, order=reverse).step(target=y)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_neighbours_whose_orders_disagree_are_told():
+    message = launch(_orders_that_disagree, nprocs=2, timeout=60)[1]
+    assert "stage 1 runs the forward of micro-batch 1, but stage 0 (rank 0) sent micro-batch 0" in message

@@ -65,6 +65,15 @@ def _tp_cases():
 
     x = _randn(B, S, H, seed=1)
     out = {}
+    # built directly, from a seed that differs per rank: every rank keeps a slice of rank 0's layer
+    torch.manual_seed(10 + r)
+    col, row = ColumnParallelLinear(H, 2 * n), RowParallelLinear(2 * n, H)
+    torch.manual_seed(10)
+    ref_col, ref_row = nn.Linear(H, 2 * n), nn.Linear(2 * n, H)
+    out["built from rank 0's seed"] = {
+        "column weight": (col.weight - rows(ref_col.weight)).abs().max().item(),
+        "row weight": (row.weight - cols(ref_row.weight)).abs().max().item(),
+        "row bias": (row.bias - ref_row.bias).abs().max().item()}
     torch.manual_seed(0)
     lin = nn.Linear(H, 3 * n * 2)
     for gather in (False, True):

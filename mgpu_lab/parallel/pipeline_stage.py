@@ -8,12 +8,18 @@ stage (the last stage starts from the loss), runs backward, and sends the
 input's gradient to the previous stage. Which action comes when is the
 schedule's business (``pipeline.py``), not the stage's.
 
-Messages: an activation travels as a small header (its shape and dtype) and then
-the tensor; a gradient has the shape of the activation the stage sent, so it
-needs no header. Sends are asynchronous. A stage posts the sends of one action
-together with the receive of its next action (``batch_isend_irecv``, as torch's
-1F1B fuses them), so two neighbours that each send and then receive never wait
-on each other (NCCL orders a pair's sends and receives). ``finish()`` waits
+Messages: an activation travels as a small header (its micro-batch, shape and
+dtype) and then the tensor; a gradient has the shape of the activation the stage
+sent, so it needs no header. (torch's stage instead learns the shapes once, at
+the first step, and saves the header's latency; ours may change shape from one
+micro-batch to the next, and checks that neighbours agree on the order.)
+
+Sends are asynchronous. A stage posts the sends of one action together with the
+receive of its next action (``batch_isend_irecv``, as torch's 1F1B fuses them),
+so two neighbours that each send and then receive never wait on each other
+(NCCL orders a pair's sends and receives). Receives are posted only when needed,
+never ahead: on NCCL a receive waiting in the pair's queue would hold up the
+sends behind it. ``finish()`` waits
 until every send arrived. Every wait has a timeout, and a stage that waited too
 long says for which stage and which micro-batch.
 """
@@ -102,10 +108,14 @@ class PipelineStage:
                                f"({self._peer(peer)} may have crashed): {e}") from e
 
     def _receive_activation(self, k: int) -> torch.Tensor:
-        header = self._receive(torch.empty(MAX_DIMS + 2, dtype=torch.int64, device=self.device), self.stage_index - 1,
+        header = self._receive(torch.empty(MAX_DIMS + 3, dtype=torch.int64, device=self.device), self.stage_index - 1,
                                f"the activations' shape of micro-batch {k}").tolist()
-        shape, dtype = header[1:1 + header[0]], DTYPES[header[-1]]
-        x = torch.empty(shape, dtype=dtype, device=self.device)
+        sent_k, ndim, dtype = header[0], header[1], DTYPES[header[-1]]
+        if sent_k != k:
+            raise RuntimeError(f"pipeline stage {self.stage_index} runs the forward of micro-batch {k}, but "
+                               f"{self._peer(self.stage_index - 1)} sent micro-batch {sent_k}: the stages' "
+                               f"orders must run the forwards in the same order")
+        x = torch.empty(header[2:2 + ndim], dtype=dtype, device=self.device)
         return self._receive(x, self.stage_index - 1, f"the activations of micro-batch {k}")
 
     def _send_activation(self, y: torch.Tensor, k: int) -> None:
@@ -113,7 +123,7 @@ class PipelineStage:
             raise ValueError(f"stage {self.stage_index}: cannot send a {y.dim()}-d {y.dtype} output "
                              f"(at most {MAX_DIMS} dimensions, dtype in {DTYPES})")
         shape = list(y.shape) + [0] * (MAX_DIMS - y.dim())
-        header = torch.tensor([y.dim()] + shape + [DTYPES.index(y.dtype)], dtype=torch.int64, device=self.device)
+        header = torch.tensor([k, y.dim()] + shape + [DTYPES.index(y.dtype)], dtype=torch.int64, device=self.device)
         what = f"the activations of micro-batch {k}"
         self._send(header, self.stage_index + 1, what)
         self._send(y.detach().contiguous(), self.stage_index + 1, what)
