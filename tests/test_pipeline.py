@@ -155,6 +155,13 @@ def _custom_order_and_errors():
     mine = lambda s, p, m: one_f_one_b_order(s, p, m)  # noqa: E731
     schedule = PipelineSchedule(stage, M, F.mse_loss, order=mine)
     schedule.step(x) if rank == 0 else schedule.step(target=y)
+    timeline = list(schedule.timeline)
+    # forwards only (no loss_fn): the last stage returns the model's output, nothing is held
+    forward_only = ScheduleGPipe(stage, M)
+    out = forward_only.step(x) if rank == 0 else forward_only.step()
+    assert forward_only.timeline == [("F", k) for k in range(M)] and not stage._held
+    if rank == 1:
+        assert (out - _model()(x)).abs().max().item() < TOL
     errors = []
     for call in ((lambda: schedule.step()) if rank == 0 else (lambda: schedule.step(x, target=y)),
                  lambda: PipelineStage(nn.Linear(2, 2), 1 - rank, 2)):
@@ -162,7 +169,7 @@ def _custom_order_and_errors():
             call()
         except ValueError as e:
             errors.append(str(e))
-    return list(schedule.timeline), errors
+    return timeline, errors
 
 
 def test_custom_order_and_clear_errors():

@@ -88,7 +88,7 @@ class PipelineSchedule:
 
     Every rank calls ``step``: the first stage with the batch, ``step(x)``; the last with
     ``step(target=y, losses=[])`` (``losses`` receives each micro-batch's loss); the others
-    with nothing. The batch is cut into ``n_microbatches`` along dimension 0 (as
+    with nothing (``target=`` and ``losses=`` are ignored there, as torch does). The batch is cut into ``n_microbatches`` along dimension 0 (as
     ``torch.tensor_split``). The last stage returns the output of the whole batch.
     ``loss_fn=None``: forwards only.
     """
@@ -115,7 +115,7 @@ class PipelineSchedule:
         s = self._stage
         return list(self.order_fn(s.stage_index, s.num_stages, self.n_microbatches))
 
-    def _split(self, args, target, losses):
+    def _split(self, args, target):
         s, m = self._stage, self.n_microbatches
         inputs = targets = None
         if s.is_first:
@@ -126,8 +126,6 @@ class PipelineSchedule:
             inputs = torch.tensor_split(args[0], m)
         elif args:
             raise ValueError(f"stage {s.stage_index} is not the first stage: call step() without the batch")
-        if not s.is_last and (target is not None or losses is not None):
-            raise ValueError(f"stage {s.stage_index} is not the last stage: only the last takes target= and losses=")
         if s.is_last and self.loss_fn is not None:
             if target is None:
                 raise ValueError("the last stage's step needs target= (the loss is computed there)")
@@ -138,7 +136,7 @@ class PipelineSchedule:
         s, m, training = self._stage, self.n_microbatches, self.loss_fn is not None
         if training and not torch.is_grad_enabled():
             raise RuntimeError("step() runs backward: call it with gradients enabled (not under torch.no_grad())")
-        inputs, targets = self._split(args, target, losses)
+        inputs, targets = self._split(args, target)
         order = self.order() if training else [a for a in self.order() if a[0] == "F"]
         check_order(order, m, backward=training)
         s.reset()
