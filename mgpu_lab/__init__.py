@@ -76,3 +76,28 @@ from .measure.trace_compare import first_divergence
 
 # --- training: activation checkpointing ---
 from .training.checkpointing import checkpoint, checkpoint_sequential, peak_memory, saved_tensor_bytes
+
+# --- parallel: model parallelism (tensor parallel, sequence parallel, loss parallel, pipeline) ---
+from .parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_parallel_region,
+    gather_from_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from .parallel.tensor_parallel_blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock, TransformerBlock
+from .parallel.loss_parallel import vocab_parallel_cross_entropy
+from .parallel.pipeline import (
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    check_order,
+    gpipe_order,
+    held_microbatches,
+    one_f_one_b_order,
+)

@@ -1,2 +1,2 @@
 """How work is split across devices: DataParallel, the balanced criterion,
-collectives, your own DDP, sharding."""
+collectives, your own DDP, sharding, tensor parallelism, pipeline parallelism."""

@@ -1,0 +1,200 @@
+"""Tensor parallelism equals the unsharded module, on 2 and 4 ranks (gloo), and torch's
+parallelize_module (ColwiseParallel/RowwiseParallel on a CPU DeviceMesh).
+
+Each case: the forward output, the input's gradient on every rank, and each rank's slice
+of every weight's gradient, against the module built from the same weights in one process.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from mgpu_lab import (
+    ColumnParallelLinear,
+    ParallelAttention,
+    ParallelMLP,
+    ParallelTransformerBlock,
+    RowParallelLinear,
+    TransformerBlock,
+    launch,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+
+B, S, H, HEADS = 2, 8, 16, 4  # 4 heads: 2 or 1 per rank on 2 and 4 ranks; S divisible by 4
+TOL = 2e-5
+
+
+def _randn(*shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _run(ref, ours, x_full, in_slice, out_slice, pairs):
+    """Forward and backward of ``ref`` (unsharded) on ``x_full`` and of ``ours`` on this rank's
+    ``in_slice`` of it; the largest difference of the output (``out_slice`` of the reference's),
+    of the input gradient and of each (local grad, expected slice) pair."""
+    x_ref = x_full.clone().requires_grad_(True)
+    x_ours = in_slice(x_full).clone().requires_grad_(True)
+    y_ref, y_ours = ref(x_ref), ours(x_ours)
+    grad_out = _randn(*y_ref.shape, seed=7)
+    y_ref.backward(grad_out)
+    y_ours.backward(out_slice(grad_out))
+    diffs = {"output": (y_ours - out_slice(y_ref)).abs().max().item(),
+             "input grad": (x_ours.grad - in_slice(x_ref.grad)).abs().max().item()}
+    for name, (got, want) in pairs().items():
+        assert got.shape == want.shape, f"{name}: local {tuple(got.shape)} vs expected slice {tuple(want.shape)}"
+        diffs[name] = (got - want).abs().max().item()
+    return diffs
+
+
+def _tp_cases():
+    n, r = dist.get_world_size(), dist.get_rank()
+
+    def rows(t):  # this rank's slice along dim 0 (output features)
+        return t.chunk(n, 0)[r]
+
+    def cols(t):  # along dim 1 (input features)
+        return t.chunk(n, 1)[r]
+
+    def last(t):
+        return t.chunk(n, -1)[r]
+
+    def full(t):
+        return t
+
+    x = _randn(B, S, H, seed=1)
+    out = {}
+    # built directly, from a seed that differs per rank: every rank keeps a slice of rank 0's layer
+    torch.manual_seed(10 + r)
+    col, row = ColumnParallelLinear(H, 2 * n), RowParallelLinear(2 * n, H)
+    torch.manual_seed(10)
+    ref_col, ref_row = nn.Linear(H, 2 * n), nn.Linear(2 * n, H)
+    out["built from rank 0's seed"] = {
+        "column weight": (col.weight - rows(ref_col.weight)).abs().max().item(),
+        "row weight": (row.weight - cols(ref_row.weight)).abs().max().item(),
+        "row bias": (row.bias - ref_row.bias).abs().max().item()}
+    torch.manual_seed(0)
+    lin = nn.Linear(H, 3 * n * 2)
+    for gather in (False, True):
+        col = ColumnParallelLinear.from_linear(lin, gather_output=gather)
+        out[f"column gather_output={gather}"] = _run(
+            lin, col, x, full, full if gather else last,
+            lambda: {"weight": (col.weight.grad, rows(lin.weight.grad)), "bias": (col.bias.grad, rows(lin.bias.grad))})
+        lin.zero_grad()
+    lin = nn.Linear(4 * n, H)
+    x4 = _randn(B, S, 4 * n, seed=2)
+    for parallel_in in (True, False):
+        row = RowParallelLinear.from_linear(lin, input_is_parallel=parallel_in)
+        out[f"row input_is_parallel={parallel_in}"] = _run(
+            lin, row, x4, last if parallel_in else full, full,
+            lambda: {"weight": (row.weight.grad, cols(lin.weight.grad)), "bias": (row.bias.grad, lin.bias.grad)})
+        lin.zero_grad()
+
+    mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+    pmlp = ParallelMLP.from_mlp(mlp)
+    out["mlp"] = _run(mlp, pmlp, x, full, full, lambda: {
+        "fc1.weight": (pmlp.fc1.weight.grad, rows(mlp[0].weight.grad)),
+        "fc1.bias": (pmlp.fc1.bias.grad, rows(mlp[0].bias.grad)),
+        "fc2.weight": (pmlp.fc2.weight.grad, cols(mlp[2].weight.grad)),
+        "fc2.bias": (pmlp.fc2.bias.grad, mlp[2].bias.grad)})
+
+    def qkv_slice(t):  # [Q; K; V] rows -> this rank's heads of each
+        return torch.cat([rows(part) for part in t.chunk(3)])
+
+    for sp in (False, True):
+        block = TransformerBlock(H, HEADS, ffn_hidden=2 * H, causal=True)
+        pblock = ParallelTransformerBlock.from_block(block, sequence_parallel=sp)
+        seq = (lambda t: t.chunk(n, 1)[r]) if sp else full
+        attn, pattn = block.attn, pblock.attn
+        out[f"block sequence_parallel={sp}"] = _run(block, pblock, x, seq, seq, lambda: {
+            "norm1.weight": (pblock.norm1.weight.grad, block.norm1.weight.grad),
+            "norm2.bias": (pblock.norm2.bias.grad, block.norm2.bias.grad),
+            "qkv.weight": (pattn.qkv.weight.grad, qkv_slice(attn.in_proj_weight.grad)),
+            "qkv.bias": (pattn.qkv.bias.grad, qkv_slice(attn.in_proj_bias.grad)),
+            "out.weight": (pattn.out.weight.grad, cols(attn.out_proj.weight.grad)),
+            "out.bias": (pattn.out.bias.grad, attn.out_proj.bias.grad),
+            "mlp.fc1.weight": (pblock.mlp.fc1.weight.grad, rows(block.mlp[0].weight.grad)),
+            "mlp.fc2.bias": (pblock.mlp.fc2.bias.grad, block.mlp[2].bias.grad)})
+
+    # scatter_to_sequence_parallel_region: entering the region, the gradient is all-gathered
+    xs = x.clone().requires_grad_(True)
+    y = scatter_to_sequence_parallel_region(xs)
+    (y * (r + 1)).sum().backward()
+    want = torch.cat([torch.full_like(c, k + 1) for k, c in enumerate(x.chunk(n, 1))], 1)
+    out["scatter to sequence"] = {"input grad": (xs.grad - want).abs().max().item()}
+
+    # vocabulary-parallel cross-entropy: loss and the gradient of this rank's logits
+    vocab = 8 * n
+    logits = _randn(B, S, vocab, seed=3) * 4
+    target = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(4))
+    for reduction in ("mean", "none"):
+        z_ref, z_ours = logits.clone().requires_grad_(True), last(logits).clone().requires_grad_(True)
+        ref_loss = F.cross_entropy(z_ref.reshape(-1, vocab), target.reshape(-1), reduction=reduction)
+        loss = vocab_parallel_cross_entropy(z_ours, target, reduction=reduction)
+        weights = _randn(*loss.shape, seed=5)
+        (ref_loss * weights.reshape(ref_loss.shape)).sum().backward()
+        (loss * weights).sum().backward()
+        out[f"vocab cross-entropy {reduction}"] = {
+            "loss": (loss.reshape(-1) - ref_loss.reshape(-1)).abs().max().item(),
+            "logits grad": (z_ours.grad - last(z_ref.grad)).abs().max().item()}
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_tensor_parallel_equals_unsharded(nprocs):
+    for rank, cases in enumerate(launch(_tp_cases, nprocs=nprocs, timeout=120)):
+        for case, diffs in cases.items():
+            for what, d in diffs.items():
+                assert d < TOL, f"{nprocs} ranks, rank {rank}, {case}: {what} differs by {d:.3g}"
+
+
+def _versus_parallelize_module():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+    ours = ParallelMLP.from_mlp(ref)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    theirs = parallelize_module(ref, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = _randn(B, S, H, seed=1)
+    grad_out = _randn(B, S, H, seed=2)
+    results = []
+    for model in (ours, theirs):
+        xi = x.clone().requires_grad_(True)
+        y = model(xi)
+        y.backward(grad_out)
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in model.parameters()]
+        results.append([y, xi.grad] + grads)
+    return [(a - b).abs().max().item() for a, b in zip(*results)]
+
+
+def test_parallel_mlp_equals_torch_parallelize_module():
+    for rank, diffs in enumerate(launch(_versus_parallelize_module, nprocs=2, timeout=120)):
+        names = ["output", "input grad", "fc1.weight grad", "fc1.bias grad", "fc2.weight grad", "fc2.bias grad"]
+        assert len(diffs) == len(names)
+        for name, d in zip(names, diffs):
+            assert d < TOL, f"rank {rank}: {name} differs from parallelize_module's by {d:.3g}"
+
+
+def _bad_sizes():
+    errors = []
+    for make in (lambda: ColumnParallelLinear(8, 5),
+                 lambda: RowParallelLinear(5, 8),
+                 lambda: ParallelAttention(12, 3),
+                 lambda: RowParallelLinear(8, 8)(torch.randn(2, 8))):
+        try:
+            make()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_a_dimension_the_ranks_do_not_divide_is_a_clear_error():
+    errors = launch(_bad_sizes, nprocs=2, timeout=60)[0]
+    assert "out_features = 5 is not divisible by the tensor-parallel size 2" in errors[0]
+    assert "in_features = 5 is not divisible" in errors[1]
+    assert "num_heads = 3 is not divisible" in errors[2]
+    assert "input_is_parallel=False" in errors[3]
