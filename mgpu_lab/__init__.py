@@ -1,15 +1,15 @@
 """mgpu_lab: learn, then do, multi-GPU training in PyTorch.
 
-Every public name is importable from the package itself::
+Every public name (``__all__``) is importable from the package itself::
 
-    from mgpu_lab.runtime import launch, devices, DataParallel, ring_allreduce
+    from mgpu_lab import launch, devices, DataParallel, ring_allreduce
 
 The library is in four packages, and the arrows run one way::
 
     runtime/   where code runs: devices, the process group, launch, torchrun, doctor
-    parallel/  how work is split: data_parallel, parallel_criterion, collectives, ddp, sharding
+    parallel/  how work is split: data_parallel, parallel_criterion, collectives, ddp, zero, fsdp
     training/  the training step: amp, grad_accum, checkpointing, train_state
-    measure/   instruments that observe from outside: memory accounting, timing
+    measure/   instruments that observe from outside: memory accounting, collective trace, timing
 
 ``parallel`` and ``training`` use ``runtime``; ``runtime`` uses neither. The
 course machinery (``course/``: labs, grader, tour) uses the library, never the
@@ -76,3 +76,22 @@ from .measure.trace_compare import first_divergence
 
 # --- training: activation checkpointing ---
 from .training.checkpointing import checkpoint, checkpoint_sequential, peak_memory, saved_tensor_bytes
+
+__all__ = [
+    # runtime
+    "backend", "devices", "DistEnv", "cleanup", "dist_env", "distributed_loader", "init_distributed",
+    "is_main_process", "print0", "rank_device", "LaunchError", "launch",
+    # DataParallel from scratch, the balanced criterion, memory accounting
+    "DataParallel", "gather", "parallel_apply", "replicate", "scatter",
+    "MemoryAccount", "account_memory", "plot_memory", "DataParallelCriterion", "DataParallelModel",
+    # collectives and your own DDP
+    "CommStats", "RingState", "allreduce_bytes", "bus_bandwidth", "naive_allreduce", "ring_allreduce",
+    "ring_schedule", "simulate_ring_allreduce", "BucketedDDP", "NaiveDDP",
+    # training: accumulation, mixed precision, faults, activation checkpointing
+    "GradientAccumulator", "LossScaler", "amp_step", "autocast_dtype",
+    "TrainState", "UnsafeCheckpointError", "load_checkpoint", "rng_state", "save_checkpoint",
+    "set_rng_state", "unwrap", "CollectiveError", "collective_trace", "first_divergence",
+    "checkpoint", "checkpoint_sequential", "peak_memory", "saved_tensor_bytes",
+    # sharding
+    "FSDP", "ShardedOptimizer", "partition_parameters", "zero_bytes_per_rank",
+]
