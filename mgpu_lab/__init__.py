@@ -1,15 +1,16 @@
 """mgpu_lab: learn, then do, multi-GPU training in PyTorch.
 
-Every public name is importable from the package itself::
+Every public name (``__all__``) is importable from the package itself::
 
-    from mgpu_lab.runtime import launch, devices, DataParallel, ring_allreduce
+    from mgpu_lab import launch, devices, DataParallel, ring_allreduce
 
 The library is in four packages, and the arrows run one way::
 
     runtime/   where code runs: devices, the process group, launch, torchrun, doctor
-    parallel/  how work is split: data_parallel, parallel_criterion, collectives, ddp, sharding
+    parallel/  how work is split: data_parallel, parallel_criterion, collectives, ddp, zero, fsdp,
+               tensor_parallel, pipeline
     training/  the training step: amp, grad_accum, checkpointing, train_state
-    measure/   instruments that observe from outside: memory accounting, timing
+    measure/   instruments that observe from outside: memory accounting, collective trace, timing
 
 ``parallel`` and ``training`` use ``runtime``; ``runtime`` uses neither. The
 course machinery (``course/``: labs, grader, tour) uses the library, never the
@@ -101,3 +102,31 @@ from .parallel.pipeline import (
     held_microbatches,
     one_f_one_b_order,
 )
+
+__all__ = [
+    # runtime
+    "backend", "devices", "DistEnv", "cleanup", "dist_env", "distributed_loader", "init_distributed",
+    "is_main_process", "print0", "rank_device", "LaunchError", "launch",
+    # DataParallel from scratch, the balanced criterion, memory accounting
+    "DataParallel", "gather", "parallel_apply", "replicate", "scatter",
+    "MemoryAccount", "account_memory", "plot_memory", "DataParallelCriterion", "DataParallelModel",
+    # collectives and your own DDP
+    "CommStats", "RingState", "allreduce_bytes", "bus_bandwidth", "naive_allreduce", "ring_allreduce",
+    "ring_schedule", "simulate_ring_allreduce", "BucketedDDP", "NaiveDDP",
+    # training: accumulation, mixed precision, faults, activation checkpointing
+    "GradientAccumulator", "LossScaler", "amp_step", "autocast_dtype",
+    "TrainState", "UnsafeCheckpointError", "load_checkpoint", "rng_state", "save_checkpoint",
+    "set_rng_state", "unwrap", "CollectiveError", "collective_trace", "first_divergence",
+    "checkpoint", "checkpoint_sequential", "peak_memory", "saved_tensor_bytes",
+    # sharding
+    "FSDP", "ShardedOptimizer", "partition_parameters", "zero_bytes_per_rank",
+    # model parallelism: tensor (Megatron), sequence and loss parallel, pipeline
+    "ColumnParallelLinear", "RowParallelLinear", "copy_to_parallel_region",
+    "gather_from_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_from_parallel_region", "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_parallel_region", "scatter_to_sequence_parallel_region",
+    "ParallelAttention", "ParallelMLP", "ParallelTransformerBlock", "TransformerBlock",
+    "vocab_parallel_cross_entropy",
+    "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "check_order",
+    "gpipe_order", "held_microbatches", "one_f_one_b_order",
+]

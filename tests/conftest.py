@@ -4,6 +4,7 @@ Import them by name (``from conftest import TiedNet, requires_gpus``): pytest pu
 this folder on ``sys.path``. tests/data holds fixture notebooks for the grader and
 the tour; they are inputs, not notebooks to validate, so nbval must not collect them.
 """
+import dataclasses
 import os
 import subprocess
 import time
@@ -58,6 +59,18 @@ class TiedNet(nn.Module):
     def forward(self, idx):
         h = torch.tanh(self.hidden(self.embed(idx))) * self.scale
         return self.head(torch.tanh(self.frozen(h)))
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    """A model's structured output, registered with torch.utils._pytree (as Hugging Face's
+    ModelOutput is): code that walks tensor trees with pytree finds its tensors."""
+
+    logits: torch.Tensor
+    note: str = ""
+
+
+torch.utils._pytree.register_dataclass(ModelOutput, field_names=["logits"], drop_field_names=["note"])
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:

@@ -1,5 +1,8 @@
 """Activation checkpointing: same gradients as a plain run and as torch.utils.checkpoint,
 fewer saved bytes, and correct under torch DDP."""
+import contextlib
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +12,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import ATOL, RTOL, TiedNet, VOCAB, requires_gpus
 from mgpu_lab import checkpoint, checkpoint_sequential, launch, peak_memory, saved_tensor_bytes
+
+
+def torch_checkpoint(fn, *args, **kwargs):
+    return tc.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+# The semantics below are torch's: each such test runs torch's checkpoint and ours on the same case.
+TORCH_AND_OURS = pytest.mark.parametrize("ckpt", [torch_checkpoint, checkpoint], ids=["torch", "mgpu_lab"])
 
 
 class Block(nn.Module):
@@ -148,6 +159,164 @@ def test_recompute_that_differs_is_an_error():
 
     with pytest.raises(RuntimeError, match="must do the same operations"):
         checkpoint(moody, torch.randn(2, 8, requires_grad=True)).sum().backward()
+
+
+@pytest.mark.parametrize("preserve_rng_state", [True, False])
+@pytest.mark.parametrize("determinism_check", ["default", "none"])
+def test_torch_keywords_are_for_checkpoint_not_for_fn(preserve_rng_state, determinism_check):
+    net, x = stack(n=3, p=0.3), torch.randn(4, 8)
+    kw = dict(preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, early_stop=True)
+    mine = grads_of(lambda h: checkpoint(net, h, use_reentrant=False, **kw), net, x)
+    assert_same(mine, grads_of(lambda h: torch_checkpoint(net, h, **kw), net, x))
+    plain = grads_of(net, net, x)
+    if preserve_rng_state:
+        assert_same(mine, plain)
+    else:  # the recompute draws other dropout masks, as torch's does
+        assert max((m - p).abs().max().item() for m, p in zip(mine[1:], plain[1:])) > 1e-3
+    mine = grads_of(lambda h: checkpoint_sequential(net, 2, h, use_reentrant=False,
+                                                    preserve_rng_state=preserve_rng_state), net, x)
+    assert_same(mine, grads_of(lambda h: tc.checkpoint_sequential(
+        net, 2, h, use_reentrant=False, preserve_rng_state=preserve_rng_state), net, x))
+
+
+def test_torch_keywords_we_do_not_implement_say_what_to_do():
+    net, x = stack(n=2), torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"use_reentrant=True\)"):
+        checkpoint(net, x, use_reentrant=True)
+    with pytest.raises(ValueError, match="determinism_check should be one of"):
+        checkpoint(net, x, determinism_check="strict")
+    with pytest.raises(ValueError, match="debug=True"):
+        checkpoint(net, x, debug=True)
+
+
+@TORCH_AND_OURS
+def test_context_fn_wraps_the_forward_and_the_recompute(ckpt):
+    log = []
+
+    @contextlib.contextmanager
+    def context(name):
+        log.append(f"enter {name}")
+        try:
+            yield
+        finally:
+            log.append(f"exit {name}")
+
+    def fn(h):
+        log.append("fn")
+        return torch.tanh(h) * 2
+
+    out = ckpt(fn, torch.randn(3, requires_grad=True), context_fn=lambda: (context("forward"), context("recompute")))
+    log.append("backward")
+    out.sum().backward()
+    assert log == ["enter forward", "fn", "exit forward", "backward", "enter recompute", "fn", "exit recompute"]
+
+
+def test_selective_checkpointing_from_torch_works():
+    """torch's selective activation checkpointing (keep the matmuls, recompute the rest) is a context_fn."""
+    context_fn = functools.partial(tc.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+
+    def fn(h):
+        return torch.sigmoid(torch.mm(torch.mm(h, w1).relu(), w2)).sin()
+
+    def run(ckpt):
+        w1.grad = w2.grad = None
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = ckpt(fn, x)
+        out.pow(2).sum().backward()
+        return [out.detach(), x.grad, w1.grad, w2.grad]
+
+    mine = run(lambda f, h: checkpoint(f, h, context_fn=context_fn))
+    assert_same(mine, run(lambda f, h: torch_checkpoint(f, h, context_fn=context_fn)))
+    assert_same(mine, run(lambda f, h: f(h)))
+
+
+class _MulRecordingSaved(torch.autograd.Function):
+    """x * m (m needs no grad); its backward records the m it gets back from autograd."""
+
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x, m):
+        ctx.save_for_backward(m)
+        return x * m
+
+    @staticmethod
+    def backward(ctx, grad):
+        m, = ctx.saved_tensors
+        _MulRecordingSaved.seen.append(m)
+        return grad * m, None
+
+
+@TORCH_AND_OURS
+def test_a_saved_tensor_that_needs_no_grad_comes_back_as_the_same_object(ckpt):
+    buffer, mask = torch.randn(5), torch.randn(5)  # one the function closes over (a module's buffer), one argument
+
+    def fn(h, m):
+        return _MulRecordingSaved.apply(_MulRecordingSaved.apply(h, buffer).sin(), m)
+
+    _MulRecordingSaved.seen.clear()
+    ckpt(fn, torch.randn(5, requires_grad=True), mask).sum().backward()
+    assert len(_MulRecordingSaved.seen) == 2
+    assert _MulRecordingSaved.seen[0] is mask and _MulRecordingSaved.seen[1] is buffer
+
+
+@TORCH_AND_OURS
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_the_recompute_stops_once_it_has_every_saved_tensor(ckpt, early_stop):
+    log = []
+
+    def fn(h):
+        log.append("start")
+        y = torch.tanh(h)  # saves its output: the last tensor fn saves
+        log.append("end")
+        return y * 3
+
+    ckpt(fn, torch.randn(3, requires_grad=True), early_stop=early_stop).sum().backward()
+    assert log == ["start", "end", "start"] + ([] if early_stop else ["end"])
+
+
+@TORCH_AND_OURS
+def test_extra_work_at_the_end_of_the_recompute_is_tolerated(ckpt):
+    calls = []
+
+    def fn(h):
+        calls.append(1)
+        y = torch.tanh(h)
+        if len(calls) > 1:
+            torch.exp(h * 2)  # the recompute does more after the last tensor forward saved
+        return y
+
+    x = torch.randn(3, requires_grad=True)
+    ckpt(fn, x).sum().backward()
+    torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
+
+
+class _ReadsSavedTwice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors
+        ctx.saved_tensors  # a second read of the same saved tensor in one backward
+        return grad * 2
+
+
+@TORCH_AND_OURS
+def test_a_saved_tensor_read_twice_in_one_backward_is_an_error_not_a_second_recompute(ckpt):
+    calls = []
+
+    def fn(h):
+        calls.append(1)
+        return _ReadsSavedTwice.apply(h.sin())
+
+    with pytest.raises(RuntimeError, match="unpacked"):
+        ckpt(fn, torch.randn(3, requires_grad=True)).sum().backward()
+    assert len(calls) == 2  # forward, one recompute
 
 
 def test_parameter_gradient_hooks_fire_once():

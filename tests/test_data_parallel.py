@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import ATOL, RTOL, mlp, requires_gpus
+from conftest import ATOL, RTOL, ModelOutput, mlp, requires_gpus
 from mgpu_lab import DataParallel, devices, gather, parallel_apply, replicate, scatter
 
 def grads(model):
@@ -244,6 +244,18 @@ def test_parallel_apply_times_out():
         parallel_apply(reps, [torch.ones(1), torch.ones(1)], timeout=0.05)
     with pytest.raises(ValueError, match="2 modules but 1 inputs"):
         parallel_apply(reps, [torch.ones(1)])
+
+
+def test_first_tensor_walks_any_pytree():
+    from collections import deque
+
+    from mgpu_lab.parallel.data_parallel import first_tensor
+
+    t = torch.ones(2)
+    assert first_tensor(ModelOutput(t)) is t  # a registered dataclass
+    assert first_tensor(deque([None, t])) is t
+    assert first_tensor({"a": [1, (None, t)], "b": torch.zeros(1)}) is t
+    assert first_tensor([1, "x", None]) is None
 
 
 def test_gather_is_differentiable_and_nested():

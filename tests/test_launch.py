@@ -1,11 +1,14 @@
 """launch(): values, output order, crashes, hangs, no orphans, bad input."""
+import inspect
 import os
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
+import mgpu_lab
 from mgpu_lab import LaunchError, dist_env, launch
 
 
@@ -126,6 +129,46 @@ def test_bad_nprocs(nprocs):
 def test_bad_timeout():
     with pytest.raises(ValueError, match="timeout"):
         launch(_rank_times_ten, timeout=0)
+    with pytest.raises(ValueError, match="collective_timeout"):
+        launch(_rank_times_ten, collective_timeout=None)
+
+
+def test_a_run_has_no_deadline_by_default_and_its_collectives_a_timeout():
+    # a training run may take hours: launch() sets no deadline unless asked; a hang is
+    # found by the collectives' timeout (test_launch_failures.py shows its diagnosis)
+    defaults = inspect.signature(launch).parameters
+    assert defaults["timeout"].default is None
+    assert defaults["collective_timeout"].default == 600
+
+    def fn():
+        return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
+
+    assert launch(fn, nprocs=2, collective_timeout=42) == [__import__("datetime").timedelta(seconds=42)] * 2
+
+
+@pytest.mark.parametrize("ending", ["destroy_process_group", "mgpu_lab.cleanup"])
+def test_fn_may_leave_the_process_group_itself(ending):
+    def fn():  # as PyTorch's DDP tutorial ends its function
+        t = torch.ones(1) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        dist.destroy_process_group() if ending == "destroy_process_group" else mgpu_lab.cleanup()
+        return t.item(), dist.is_initialized()
+
+    assert launch(fn, nprocs=2) == [(3.0, False), (3.0, False)]
+
+
+def test_ending_the_process_inside_fn_is_explained():
+    with pytest.raises(LaunchError, match=r"cleanup\(exit=True\), which ends a script"):
+        launch(lambda: mgpu_lab.cleanup(exit=True), nprocs=2, timeout=60)
+
+
+def test_the_rendezvous_store_listens_on_loopback_only():
+    def fn():
+        port = int(os.environ["MASTER_PORT"])
+        return sorted({c.laddr.ip for c in psutil.net_connections("tcp")
+                       if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
+
+    assert launch(fn, nprocs=2) == [["127.0.0.1"]] * 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")

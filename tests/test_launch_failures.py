@@ -110,6 +110,36 @@ def test_a_hang_says_where_each_rank_waits():
     assert "rank 1 was in test_launch_failures.py:" in message and " in fn" in message
 
 
+def test_without_a_deadline_a_hang_ends_at_the_collective_timeout_saying_where_each_rank_waits():
+    def fn():
+        if dist.get_rank() == 1:
+            while True:
+                time.sleep(0.05)  # never reaches the barrier
+        dist.barrier()
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        launch(fn, nprocs=2, collective_timeout=3)  # no timeout=: the run itself has no deadline
+    assert time.monotonic() - start < 30
+    assert isinstance(info.value, LaunchError) and info.value.rank == 0
+    message = str(info.value)
+    assert "rank 0 waited 3 s in a collective (collective_timeout) and timed out" in message
+    assert "rank 0 was in barrier() (called at test_launch_failures.py:" in message
+    assert "rank 1 was in test_launch_failures.py:" in message and " in fn" in message
+
+
+def test_collective_timeouts_are_recognised():
+    from mgpu_lab.runtime._diagnosis import collective_timed_out
+
+    gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+            "600000ms for recv operation to complete")
+    nccl = ("[rank0]:[E1122 10:01:02.123456 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective "
+            "operation timeout: WorkNCCL(SeqNum=2, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
+            "ran for 600011 milliseconds before timing out.")
+    assert collective_timed_out(gloo) and collective_timed_out(nccl)
+    assert not collective_timed_out("RuntimeError: Connection closed by peer [127.0.0.1]:12345")
+
+
 def test_the_root_cause_is_the_first_rank_seen_failing_even_with_a_traceback():
     def fn():
         dist.barrier()  # both ranks are past init_process_group

@@ -30,6 +30,29 @@ def test_a_parent_with_cuda_initialised_starts_fresh_processes(monkeypatch):
     assert launch(fn, nprocs=2, args=(2,), timeout=120) == [(2, True), (12, True)]  # the server is reused
 
 
+def _environment(names):
+    """What a rank sees of ``names``: in os.environ, and in the C environment that NCCL reads."""
+    import ctypes
+
+    getenv = ctypes.CDLL(None).getenv
+    getenv.restype = ctypes.c_char_p
+    return [(os.environ.get(n), (getenv(n.encode()) or b"").decode() or None) for n in names]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_ranks_see_the_environment_as_it_is_at_each_launch(monkeypatch, start_method):
+    names = ["MGPU_LAB_TEST_SET_LATER", "MGPU_LAB_TEST_REMOVED_LATER"]
+    monkeypatch.delenv(names[0], raising=False)
+    monkeypatch.setenv(names[1], "before")
+    # the forkserver, if this starts it, copies the environment of this moment
+    assert launch(_environment, nprocs=1, args=(names,), start_method=start_method, timeout=120) == [
+        [(None, None), ("before", "before")]]
+    monkeypatch.setenv(names[0], "INFO")  # as a notebook cell sets NCCL_DEBUG after a first launch
+    monkeypatch.delenv(names[1])
+    assert launch(_environment, nprocs=2, args=(names,), start_method=start_method, timeout=120) == [
+        [("INFO", "INFO"), (None, None)]] * 2
+
+
 def test_fork_is_refused_only_when_asked_for_explicitly_after_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match="start_method=None"):

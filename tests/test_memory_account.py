@@ -11,7 +11,7 @@ from torch import nn
 from mgpu_lab import (DataParallel, DataParallelCriterion, DataParallelModel, account_memory, devices,
                       plot_memory)
 from mgpu_lab.measure import memory_account as acct_mod
-from conftest import requires_gpus
+from conftest import ModelOutput, requires_gpus
 
 B, D, V = 10, 8, 2048  # batch, features, classes; fp32
 F32 = 4
@@ -68,6 +68,22 @@ def test_balanced_criterion_removes_the_device0_imbalance():
     params = sum(p.numel() for p in model.parameters()) * F32
     assert params <= bal.bytes[0] - bal.bytes[1] < params + small  # + the scalar losses it receives
     assert bal.imbalance() < dp.imbalance()
+
+
+def test_structured_outputs_are_charged():
+    """Outputs in any container torch.utils._pytree knows (here a registered dataclass) are counted."""
+    model, x, _, devs = setup(2)
+
+    class Structured(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, h):
+            return ModelOutput(self.inner(h), note="logits")
+
+    acc = account_memory(lambda: DataParallelModel(Structured(), devs)(x), devs)
+    assert [b["outputs"] for b in acc.breakdown] == [5 * V * F32, 5 * V * F32]
 
 
 def test_account_closes_and_removes_its_hooks():

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.utils._pytree import tree_iter
 
 from ..runtime.devices import as_devices, device_name
 
@@ -91,16 +92,8 @@ def active() -> bool:
 
 
 def _tensors(obj: Any):
-    """Every tensor in a nested tuple/list/dict."""
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            yield o
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
+    """Every tensor among the leaves of ``obj`` (any container ``torch.utils._pytree`` knows)."""
+    return (leaf for leaf in tree_iter(obj) if isinstance(leaf, torch.Tensor))
 
 
 def _track_grad(led: _Ledger, i: int, t: torch.Tensor) -> None:

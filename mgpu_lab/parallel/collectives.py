@@ -28,8 +28,9 @@ was waiting for, instead of hanging; on NCCL the watchdog enforces the same time
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -202,23 +203,55 @@ def _reduce_into(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
         acc.mul_(incoming)
 
 
-def _p2p(ops: List[dist.P2POp], what: str) -> None:
+Message = Tuple[Callable, torch.Tensor, int]  # (dist.isend or dist.irecv, tensor, global rank of the peer)
+
+
+def _p2p(messages: List[Message], group, what: str) -> None:
     """Post point-to-point messages together and wait for all of them.
 
     Posting every send and receive before waiting on any means neighbours that
-    send to each other cannot deadlock. Empty messages are skipped (both ends
-    know the sizes). A wait is bounded by the process group's timeout; when it
-    fails, the error says which peers this rank was waiting for.
+    send to each other cannot deadlock. On NCCL (CUDA tensors) the messages must
+    also form one group, ``batch_isend_irecv``: a send and a receive between the
+    same two GPUs, issued one by one, would each wait for the other. Gloo takes
+    them one by one. Empty messages are skipped (both ends know the sizes). A
+    wait is bounded by the process group's timeout; when it fails, the error
+    says which peers this rank was waiting for.
     """
-    ops = [op for op in ops if op.tensor.numel() > 0]
-    if not ops:
+    messages = [(post, t, peer) for post, t, peer in messages if t.numel() > 0]
+    if not messages:
         return
     try:
-        for work in dist.batch_isend_irecv(ops):
+        if messages[0][1].is_cuda:
+            works = dist.batch_isend_irecv([dist.P2POp(post, t, peer, group) for post, t, peer in messages])
+        else:
+            works = [post(t, peer, group) for post, t, peer in messages]
+        for work in works:
             work.wait()
     except RuntimeError as e:
         raise RuntimeError(f"rank {dist.get_rank()}: {what} failed ({e}). Usually a peer never reached "
                            "this collective (it crashed, or took a rank-dependent branch).") from e
+
+
+_buffers = threading.local()  # each thread's receive buffers, one per dtype, reused across calls
+
+
+def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """Room for one incoming chunk (``numel`` elements of ``like``'s dtype), to add from.
+
+    Why not ``torch.empty`` on every call: on CPU, a fresh buffer of more than a
+    few MB is new memory from the kernel, and the first write to each of its
+    4 KB pages is a page fault (the kernel zero-fills the page). Receiving 32 MB
+    into fresh memory costs about as much as sending it. So the buffer is kept
+    and reused: after the first call, this ring allocates nothing. It holds S/N
+    bytes of the largest tensor reduced so far. (On GPUs, PyTorch's caching
+    allocator already reuses memory, so a plain ``torch.empty`` is cheap.)
+    """
+    if like.device.type != "cpu":
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+    kept = _buffers.__dict__.setdefault("by_dtype", {})
+    if like.dtype not in kept or kept[like.dtype].numel() < numel:
+        kept[like.dtype] = torch.empty(numel, dtype=like.dtype)
+    return kept[like.dtype][:numel]
 
 
 def _peer(group, group_rank: int) -> int:
@@ -246,14 +279,15 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group=None) -> CommSta
     copy that is copied back (S extra bytes).
 
     Cost per rank: 2(N-1) steps, 2(N-1)/N·S bytes sent and received, one chunk
-    of scratch memory. Returns this rank's ``CommStats``.
+    of scratch memory to receive into (kept for the next call: see
+    ``_receive_buffer``). Returns this rank's ``CommStats``.
     """
     flat, rank, world = _check(tensor, op, group)
     stats = CommStats()
     if world > 1:
         chunks: List[torch.Tensor] = list(torch.tensor_split(flat, world))
         right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
-        scratch = torch.empty_like(chunks[0])  # chunk 0 is the largest
+        scratch = _receive_buffer(chunks[0].numel(), flat)  # chunk 0 is the largest
         for i, (phase, messages) in enumerate(ring_schedule(world)):
             if i == world - 1 and op == "avg":
                 chunks[(rank + 1) % world].div_(world)  # scatter-reduce done: this rank's finished chunk
@@ -263,7 +297,7 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group=None) -> CommSta
                 incoming = scratch[: chunks[recv_chunk].numel()]
             else:
                 incoming = chunks[recv_chunk]               # overwritten in place
-            _p2p([dist.P2POp(dist.isend, send, right, group), dist.P2POp(dist.irecv, incoming, left, group)],
+            _p2p([(dist.isend, send, right), (dist.irecv, incoming, left)], group,
                  f"sending to rank {right} and receiving from rank {left}")
             if phase == "scatter-reduce":
                 _reduce_into(chunks[recv_chunk], incoming, op)
@@ -295,7 +329,7 @@ def naive_allreduce(tensor: torch.Tensor, root: int = 0, group=None, *,
             others = [r for r in range(world) if r != root]
             peers = [_peer(group, r) for r in others]
             bufs = {r: torch.empty_like(flat) for r in others}
-            _p2p([dist.P2POp(dist.irecv, bufs[r], p, group) for r, p in zip(others, peers)],
+            _p2p([(dist.irecv, bufs[r], p) for r, p in zip(others, peers)], group,
                  f"receiving from ranks {peers}")
             contributions = [flat.clone() if r == root else bufs[r] for r in range(world)]
             flat.copy_(contributions[0])
@@ -303,13 +337,13 @@ def naive_allreduce(tensor: torch.Tensor, root: int = 0, group=None, *,
                 _reduce_into(flat, c, op)
             if op == "avg":
                 flat.div_(world)
-            _p2p([dist.P2POp(dist.isend, flat, p, group) for p in peers], f"sending to ranks {peers}")
+            _p2p([(dist.isend, flat, p) for p in peers], group, f"sending to ranks {peers}")
             nbytes = _nbytes(flat) * (world - 1)
             stats = CommStats(nbytes, nbytes, 2)
         else:
             server = _peer(group, root)
-            _p2p([dist.P2POp(dist.isend, flat, server, group)], f"sending to root rank {server}")
-            _p2p([dist.P2POp(dist.irecv, flat, server, group)], f"receiving from root rank {server}")
+            _p2p([(dist.isend, flat, server)], group, f"sending to root rank {server}")
+            _p2p([(dist.irecv, flat, server)], group, f"receiving from root rank {server}")
             stats = CommStats(_nbytes(flat), _nbytes(flat), 2)
     if not tensor.is_contiguous():
         with torch.no_grad():

@@ -39,22 +39,15 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_iter
 
 from ..runtime.devices import Devices, as_device, as_devices, device_name
 
 
 def first_tensor(obj: Any) -> Optional[torch.Tensor]:
-    """The first tensor in a nested tuple/list/dict (breadth first), or None."""
-    queue = [obj]
-    while queue:
-        o = queue.pop(0)
-        if isinstance(o, torch.Tensor):
-            return o
-        if isinstance(o, dict):
-            queue.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            queue.extend(o)
-    return None
+    """The first tensor among the leaves of ``obj`` (any container ``torch.utils._pytree``
+    knows: tuples, lists, dicts, namedtuples, registered dataclasses...), or None."""
+    return next((leaf for leaf in tree_iter(obj) if isinstance(leaf, torch.Tensor)), None)
 
 
 # --------------------------------------------------------------------- scatter

@@ -30,6 +30,9 @@ _TRACEBACK_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 _DUMP_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 _DUMP_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):")
 _STDLIB = sysconfig.get_paths()["stdlib"]
+# gloo: "Timed out waiting 600000ms for recv operation to complete"; NCCL's watchdog, before it
+# aborts the process: "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, ...)"
+_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ ?ms|Watchdog caught collective operation timeout")
 SIGNAL_ADVICE = {
     "SIGKILL": "SIGKILL comes from outside the process: the kernel's out-of-memory killer sends it when "
                "memory runs out (see `dmesg`), as does `kill -9`",
@@ -103,6 +106,12 @@ def where(frames: Sequence[Frame]) -> Optional[str]:
     return f"{os.path.basename(path)}:{line} in {func}"
 
 
+def collective_timed_out(text: str) -> bool:
+    """Did a rank end because one of its collectives outlived the process group's timeout?
+    ``text``: its traceback and stderr."""
+    return bool(_COLLECTIVE_TIMEOUT.search(text))
+
+
 def in_collective(place: Optional[str]) -> bool:
     return bool(place) and place.split(" ")[0].endswith("()")
 
@@ -127,13 +136,16 @@ def exit_without_result(rank: int, exitcode: Optional[int], stderr_text: str) ->
         text = f"rank {rank} was killed by signal {name}" + (f" ({advice})" if advice else "")
         stack = fatal_stack(stderr_text)
         return text + (f". Its Python stack at the crash:\n{stack}" if stack else "")
+    if exitcode == 0:
+        return (f"rank {rank} ended its process (exit code 0) before fn returned: os._exit(0), or "
+                "mgpu_lab.cleanup(exit=True), which ends a script; inside launch(), call cleanup() or just return")
     return (f"rank {rank} exited with code {exitcode} without a Python traceback (os._exit(), or a C/C++ "
             f"library that called exit()); see its [rank {rank}] output above")
 
 
 def root_cause(failed: Sequence[int], seen: Dict[int, int], results: Sequence[dict]) -> int:
     """The failed rank the parent saw end first; ties: no traceback first, then the rank's own clock."""
-    return min(failed, key=lambda r: (seen.get(r, len(results)), "type" in results[r],
+    return min(failed, key=lambda r: (seen.get(r, float("inf")), "type" in results[r],
                                       results[r].get("time", float("inf"))))
 
 

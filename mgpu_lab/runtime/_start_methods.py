@@ -1,4 +1,5 @@
-"""How ``launch()`` starts its ranks: fork when that is safe, else fresh processes.
+"""How ``launch()`` starts its ranks (fork when that is safe, else fresh processes)
+and tells them where to meet.
 
 * ``fork``: a copy of this process, in milliseconds; ``fn`` and ``args`` are
   inherited, so anything works. Unsafe once CUDA was touched here.
@@ -13,10 +14,13 @@ from __future__ import annotations
 import importlib.machinery
 import multiprocessing as mp
 import os
+import socket
 import sys
+from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ._workers import run_rank
 from .devices import gpu_count
@@ -104,17 +108,61 @@ def _modules_to_send_by_value(fn: Callable) -> List[Any]:
 
 
 def start_ranks(method, job, nprocs, backend, timeout, workdir, procs: list) -> list:
-    """Start every rank (appended to ``procs`` as it starts); return the pipe ends for their ports."""
+    """Start every rank (appended to ``procs`` as it starts); return the pipe ends for their ports.
+
+    Each rank also gets ``os.environ`` as it is now: a forkserver started by an
+    earlier launch holds the environment of that moment, and passes it on."""
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # torch imported once, in the server
     ports = []
     for rank in range(nprocs):
         port_in, port_out = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run_rank, args=(job, rank, nprocs, port_in, backend, timeout, workdir),
+        proc = ctx.Process(target=run_rank, args=(job, rank, nprocs, port_in, backend, timeout, workdir,
+                                                  dict(os.environ)),
                            name=f"mgpu_lab-rank{rank}")
         proc.start()
         procs.append(proc)
         ports.append(port_out)
         port_in.close()
     return ports
+
+
+def loopback_store(world_size: int, timeout: float) -> dist.TCPStore:
+    """The rendezvous store on a free port of 127.0.0.1, listening there only.
+
+    ``TCPStore`` binds its own server to every interface (anyone on the network
+    could then write the keys the ranks read); a socket bound here and handed
+    over listens on the loopback interface alone. The store owns it from then on.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(world_size)
+    except OSError:
+        sock.close()
+        raise
+    port, fd = sock.getsockname()[1], sock.detach()
+    try:
+        return dist.TCPStore("127.0.0.1", port, world_size=world_size, is_master=True,
+                             timeout=timedelta(seconds=timeout), wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def send_port(conn, port: int) -> None:
+    """Tell a started rank where the rendezvous store listens.
+
+    Why not create the store first and pass its port as an argument: its server
+    thread answers the first ranks while the next ones are forked, and a fork
+    taken while that thread holds a libc lock (the resolver's, in getnameinfo)
+    gives a child that waits on the lock forever. So every rank is forked while
+    the parent runs no thread of ours, and learns the port afterwards.
+    """
+    try:
+        conn.send(port)
+    except (BrokenPipeError, OSError):
+        pass  # that rank already died: its error is reported like any other
+    finally:
+        conn.close()

@@ -4,11 +4,13 @@ A rank gets its job either as objects (``fork``: the child inherited them) or as
 bytes made by cloudpickle (``spawn``/``forkserver``: a fresh process, so ``fn``
 and ``args`` travel by value). Either way it then
 
-1. leads its own process group and dies with its parent (no orphans),
-2. sends fds 1 and 2 to its files in the launch's folder (C++ output too),
-3. enables ``faulthandler``: a fatal signal (SIGSEGV, SIGABRT, ...) prints the
+1. takes the launching process's environment as it was at the call,
+2. leads its own process group and dies with its parent (no orphans),
+3. sends fds 1 and 2 to its files in the launch's folder (C++ output too),
+4. enables ``faulthandler``: a fatal signal (SIGSEGV, SIGABRT, ...) prints the
    Python stack, and SIGUSR1 prints every thread's stack (where a hung rank waits),
-4. joins the process group, runs ``fn(*args)``, writes its result file, exits.
+5. joins the process group, runs ``fn(*args)`` (which may leave the group
+   itself), writes its result file, exits.
 """
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ def output_path(workdir: str, rank: int, stream: str) -> str:
     return os.path.join(workdir, f"rank{rank}.{stream}")
 
 
-def run_rank(job, rank, world_size, port_in, backend, timeout, workdir) -> None:
-    """Entry point of every rank. ``job`` is ``(fn, args)`` or cloudpickle bytes of it."""
+def run_rank(job, rank, world_size, port_in, backend, timeout, workdir, environ) -> None:
+    """Entry point of every rank. ``job`` is ``(fn, args)`` or cloudpickle bytes of it;
+    ``environ`` the launching process's ``os.environ``; ``timeout`` the collectives' (seconds)."""
+    _adopt_environment(environ)
     os.setsid()  # own process group: the parent can kill this rank and all it started
     _die_with_parent()
     _redirect_output(rank, workdir)
@@ -69,7 +73,8 @@ def run_rank(job, rank, world_size, port_in, backend, timeout, workdir) -> None:
         result = {"ok": True, "value": value, "time": time.time()}
         payload = _dumps(result, by_value)
         _wait_until_every_rank_initialised(store, world_size, timeout)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have left the group itself (destroy_process_group, cleanup)
+            dist.destroy_process_group()
     except BaseException as exc:  # report everything, KeyboardInterrupt and SystemExit included
         text = traceback.format_exc()  # raised again in the parent, so not printed here
         result = {"ok": False, "time": time.time(), "error": text, "type": type(exc).__name__}
@@ -79,6 +84,13 @@ def run_rank(job, rank, world_size, port_in, backend, timeout, workdir) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if result["ok"] else 1)  # skip the parent's atexit handlers (a notebook kernel's)
+
+
+def _adopt_environment(environ: Dict[str, str]) -> None:
+    """Make ``os.environ`` (and the C environment NCCL and gloo read) equal ``environ``."""
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    os.environ.update(environ)
 
 
 def _wait_until_every_rank_initialised(store, world_size: int, timeout: float) -> None:

@@ -23,10 +23,16 @@ What it does, and why:
   ``start_method="spawn"`` (a new interpreter per rank, seconds each time) and
   ``"forkserver"`` can be asked for. Scripts that launch in fresh processes need
   the usual ``if __name__ == "__main__":`` guard (notebooks do not).
-* **one rendezvous store, held by the parent** on a free port of 127.0.0.1, made
-  once every rank is started (a fork next to the store's running thread can
-  deadlock a child) and sent to each rank over a pipe; the port is never given
-  up and re-taken, so two launches never race for it.
+* **the environment of the call**: each rank starts from this process's
+  ``os.environ`` as it is when ``launch`` is called (a forkserver started by an
+  earlier launch would otherwise hand out its own old copy, and ``NCCL_DEBUG``
+  set in a later cell would never reach the ranks). A variable torch reads only
+  at import keeps the value it had when the forkserver started.
+* **one rendezvous store, held by the parent** on a free port of 127.0.0.1 (it
+  listens on the loopback interface only: nothing outside this machine can
+  reach it), made once every rank is started (a fork next to the store's
+  running thread can deadlock a child) and sent to each rank over a pipe; the
+  port is never given up and re-taken, so two launches never race for it.
 * **output**: each rank's stdout and stderr (fds 1 and 2, so C++ output too) go
   to files. Rank 0's appear live, as they are written (progress bars, prints in
   a long loop); the other ranks' are printed when they end, in rank order. Every
@@ -35,9 +41,19 @@ What it does, and why:
   the rank the parent saw fail first, with its traceback, or the signal that
   killed it (and the Python stack ``faulthandler`` printed), and where the
   other ranks waited ("rank 1 returned from fn while rank 0 was still in
-  barrier()"). A run that outlives ``timeout`` raises ``TimeoutError`` naming
-  the ranks still running and the call each waits in. Either way, and on
-  Ctrl-C, every rank and its own children are killed: no process is left behind.
+  barrier()"). After a failure, a hang or Ctrl-C, every rank and its own
+  children are killed: no process is left behind.
+* **no deadline for the run, a timeout for every collective.** A training run
+  may take hours, so ``timeout=None`` by default; a hang is found by the process
+  group's timeout instead, ``collective_timeout``: 10 minutes by default, as
+  ``init_distributed`` and torch's NCCL default (long enough for the ranks to
+  wait at a barrier while rank 0 evaluates or saves). The rank that waited too long
+  raises; ``launch`` then prints the stacks of the ranks still running and
+  raises a ``TimeoutError`` (also a ``LaunchError``) saying where every rank
+  was. Pass ``collective_timeout=30`` in a notebook to see a hang in seconds,
+  or ``timeout=`` to bound the whole run: past it, the same diagnosis.
+* **fn may leave the group itself**: ``dist.destroy_process_group()`` or
+  ``mgpu_lab.cleanup()`` at its end, as PyTorch's DDP tutorial writes it, works.
 * **one thread per CPU rank**, as torchrun and DataLoader workers do: GNU
   OpenMP cannot be used in a forked child once the parent has run a parallel
   region (the child hangs in its first large op), and N ranks on N cores are
@@ -60,15 +76,15 @@ import torch.distributed as dist
 
 from . import _diagnosis as diagnosis
 from ._rank_output import RankOutput
-from ._start_methods import choose_start_method, serialize_job, start_ranks
+from ._start_methods import choose_start_method, loopback_store, send_port, serialize_job, start_ranks
 from ._workers import STACK_DUMP_SIGNAL, output_path
 from .devices import backend as backend_for
 from .devices import check_backend, gpu_count
+from .distributed import DEFAULT_TIMEOUT
 
-DEFAULT_TIMEOUT = 300.0
+DEFAULT_COLLECTIVE_TIMEOUT = DEFAULT_TIMEOUT.total_seconds()  # init_distributed's; why: "no deadline for the run" above
 FAILURE_GRACE_SECONDS = 3.0  # after a rank fails, how long the others get to notice and exit
 STACK_DUMP_SECONDS = 0.5  # how long hung ranks get to print their stacks
-COLLECTIVE_TIMEOUT_MARGIN = 10.0  # collectives time out this much after the run, so the parent's diagnosis wins
 OUTPUT_POLL_SECONDS = 0.1  # how often rank 0's new output is echoed
 
 
@@ -84,13 +100,19 @@ class LaunchError(RuntimeError):
         super().__init__(f"{note}rank {rank} failed first{also}:\n{failures[rank]}")
 
 
+class CollectiveTimeout(LaunchError, TimeoutError):
+    """A rank waited ``collective_timeout`` seconds in a collective: a hang, found by the
+    process group's timeout. The message says where every rank was."""
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int = 2,
     args: Sequence[Any] = (),
     backend: Optional[str] = None,
     start_method: Optional[str] = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: Optional[float] = None,
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
 ) -> List[Any]:
     """Run ``fn(*args)`` in ``nprocs`` processes, each a rank of a fresh process group.
 
@@ -98,13 +120,17 @@ def launch(
     when there is a GPU for every rank (rank r drives ``cuda:r``), else gloo
     (CPU processes); inside ``fn``, ``mgpu_lab.rank_device()`` is the device to
     use. ``start_method=None`` forks when that is safe, else uses a forkserver
-    (see the module docstring). ``timeout`` (seconds) bounds the whole run and
-    every collective inside it.
+    (see the module docstring). ``timeout`` (seconds; ``None``: no deadline)
+    bounds the whole run, ``collective_timeout`` (seconds, 10 minutes) every
+    collective inside it; a hang past either raises ``TimeoutError`` saying
+    where each rank waits.
     """
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ValueError(f"launch(nprocs={nprocs!r}): nprocs must be an int >= 1")
-    if timeout is None or timeout <= 0:
-        raise ValueError(f"launch(timeout={timeout!r}): give a positive number of seconds")
+    for label, seconds in (("timeout", timeout), ("collective_timeout", collective_timeout)):
+        if (seconds is not None or label != "timeout") and not (isinstance(seconds, (int, float)) and seconds > 0):
+            raise ValueError(f"launch({label}={seconds!r}): give a positive number of seconds"
+                             + (" (or None: no deadline)" if label == "timeout" else ""))
     name = check_backend(backend or default_launch_backend(nprocs))
     if name == "nccl" and nprocs > gpu_count():
         raise ValueError(
@@ -120,12 +146,11 @@ def launch(
     store = None
     try:
         try:
-            ports = start_ranks(method, job, nprocs, name, timeout + COLLECTIVE_TIMEOUT_MARGIN, workdir, procs)
-            # The store (and its server thread) exists only once every rank is started; see _send_port.
-            store = dist.TCPStore("127.0.0.1", 0, world_size=nprocs + 1, is_master=True,
-                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
+            ports = start_ranks(method, job, nprocs, name, collective_timeout, workdir, procs)
+            # The store (and its server thread) exists only once every rank is started; see send_port.
+            store = loopback_store(nprocs + 1, collective_timeout)
             for port_out in ports:
-                _send_port(port_out, store.port)
+                send_port(port_out, store.port)
             still_running, seen = _supervise(procs, timeout, output)
             _dump_stacks([procs[rank] for rank in still_running])
         finally:
@@ -134,9 +159,11 @@ def launch(
             output.finish()
         results = [_read_result(rank, procs[rank].exitcode, workdir, output) for rank in range(nprocs)]
         waits = {rank: _where(rank, results[rank], output) for rank in range(nprocs) if not results[rank]["ok"]}
+        timed_out = {rank for rank in waits
+                     if diagnosis.collective_timed_out(results[rank]["error"] + output.text(rank, "err"))}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return _outcome(results, still_running, seen, waits, timeout)
+    return _outcome(results, still_running, seen, waits, timeout, timed_out, collective_timeout)
 
 
 def default_launch_backend(nprocs: int) -> str:
@@ -146,28 +173,11 @@ def default_launch_backend(nprocs: int) -> str:
 
 # --------------------------------------------------------------------------- parent side
 
-def _send_port(conn, port: int) -> None:
-    """Tell a started rank where the rendezvous store listens.
-
-    Why not create the store first and pass its port as an argument: its server
-    thread answers the first ranks while the next ones are forked, and a fork
-    taken while that thread holds a libc lock (the resolver's, in getnameinfo)
-    gives a child that waits on the lock forever. So every rank is forked while
-    the parent runs no thread of ours, and learns the port afterwards.
-    """
-    try:
-        conn.send(port)
-    except (BrokenPipeError, OSError):
-        pass  # that rank already died: its error is reported like any other
-    finally:
-        conn.close()
-
-
-def _supervise(procs, timeout: float, output: RankOutput) -> Tuple[List[int], Dict[int, int]]:
+def _supervise(procs, timeout: Optional[float], output: RankOutput) -> Tuple[List[int], Dict[int, int]]:
     """Echo rank 0's output and wait until all ranks exit, a rank fails (then give the
-    rest a grace period), or the deadline passes. Returns the ranks still running and,
-    for each rank that ended, the order in which the parent saw it end (0 first)."""
-    deadline = time.monotonic() + timeout
+    rest a grace period), or the deadline (if any) passes. Returns the ranks still running
+    and, for each rank that ended, the order in which the parent saw it end (0 first)."""
+    deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
     seen: Dict[int, int] = {}
     wake = 0
     while True:
@@ -181,8 +191,8 @@ def _supervise(procs, timeout: float, output: RankOutput) -> Tuple[List[int], Di
         wake += 1
         output.pump()
         alive = [p for p in procs if p.exitcode is None]
-        if not alive:
-            return [], seen
+        if not alive:  # a rank that ended since the scan above was seen now, after those of the scan
+            return [], {rank: seen.get(rank, wake) for rank in range(len(procs))}
         if any(p.exitcode not in (None, 0) for p in procs):
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_SECONDS)
         remaining = deadline - time.monotonic()
@@ -238,22 +248,34 @@ def _where(rank: int, result: Dict[str, Any], output: RankOutput) -> Optional[st
     return diagnosis.hung_rank_place(output.text(rank, "err"))
 
 
-def _outcome(results, still_running, seen, waits, timeout) -> List[Any]:
+HANG_ADVICE = ("A rank waiting in a collective that another rank never reached is the usual cause "
+               "(a rank-dependent branch, or ranks running different numbers of steps).")
+
+
+def _places(ranks, waits) -> str:
+    return "".join(f"\n  rank {rank} was in {waits.get(rank) or 'an unknown place'}" for rank in ranks)
+
+
+def _outcome(results, still_running, seen, waits, timeout, timed_out, collective_timeout) -> List[Any]:
     nprocs = len(results)
     returned = [rank for rank, r in enumerate(results) if r["ok"]]
     failures = {rank: r["error"] for rank, r in enumerate(results) if not r["ok"] and rank not in still_running}
     if failures:
         first = diagnosis.root_cause(list(failures), seen, results)
+        if first in timed_out:  # a hang, found by the process group's timeout
+            note = (f"launch: rank {first} waited {collective_timeout:g} s in a collective (collective_timeout) "
+                    f"and timed out.{_places(sorted(waits), waits)}\n"
+                    + diagnosis.returned_while_waiting(returned, waits) + HANG_ADVICE + "\n")
+            raise CollectiveTimeout(first, failures, note)
         note = diagnosis.returned_while_waiting(returned, {first: waits.get(first)})
         if still_running:
-            note += f"(rank(s) {still_running} were still running {FAILURE_GRACE_SECONDS:g} s later and were killed)\n"
+            note += (f"(rank(s) {still_running} were still running {FAILURE_GRACE_SECONDS:g} s later and were "
+                     f"killed){_places(still_running, waits)}\n")
         raise LaunchError(first, failures, note)
     if still_running:
-        places = "".join(f"\n  rank {rank} was in {waits.get(rank) or 'an unknown place'}" for rank in still_running)
         raise TimeoutError(
             f"launch: rank(s) {still_running} of {nprocs} were still running after {timeout:g} s and were killed."
-            f"{places}\n" + diagnosis.returned_while_waiting(returned, {r: waits.get(r) for r in still_running})
-            + "A rank waiting in a collective that another rank never reached is the usual cause "
-            "(a rank-dependent branch, or ranks running different numbers of steps)."
+            f"{_places(still_running, waits)}\n"
+            + diagnosis.returned_while_waiting(returned, {r: waits.get(r) for r in still_running}) + HANG_ADVICE
         )
     return [r["value"] for r in results]
