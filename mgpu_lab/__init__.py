@@ -31,7 +31,7 @@ from .runtime.distributed import (
     print0,
     rank_device,
 )
-from .runtime.launch import LaunchError, launch
+from .runtime.launch import CollectiveTimeout, LaunchError, launch
 
 # --- parallel: DataParallel from scratch and the balanced criterion ---
 from .parallel.data_parallel import DataParallel, gather, parallel_apply, replicate, scatter
@@ -106,7 +106,7 @@ from .parallel.pipeline import (
 __all__ = [
     # runtime
     "backend", "devices", "DistEnv", "cleanup", "dist_env", "distributed_loader", "init_distributed",
-    "is_main_process", "print0", "rank_device", "LaunchError", "launch",
+    "is_main_process", "print0", "rank_device", "CollectiveTimeout", "LaunchError", "launch",
     # DataParallel from scratch, the balanced criterion, memory accounting
     "DataParallel", "gather", "parallel_apply", "replicate", "scatter",
     "MemoryAccount", "account_memory", "plot_memory", "DataParallelCriterion", "DataParallelModel",
