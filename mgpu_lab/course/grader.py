@@ -142,6 +142,9 @@ def _environment(package_dir: Path, sandboxed: bool) -> dict:
     return env
 
 
+JUDGE_TIMEOUT = 300.0   # seconds for each step of the judge process, at least
+
+
 def _judge_environment(package_dir: Path, home: str) -> dict:
     """The judge runs the instructor's code only: the grader's own environment."""
     env = dict(os.environ, MPLBACKEND="Agg", HOME=home, MPLCONFIGDIR=os.path.join(home, ".mpl"),
@@ -198,7 +201,10 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
     def _fresh(old=None):
         if old is not None:
             old.close()
-        new = Judge(_judge_environment(package_dir, judge_home), judge_home, timeout)
+        # The judge runs our code, not the learner's: its steps (an import of torch, a
+        # reference training run) get their own limit, not the learner's per-cell one.
+        new = Judge(_judge_environment(package_dir, judge_home), judge_home,
+                    max(timeout, JUDGE_TIMEOUT))
         if old is not None:
             new.setup(setup_sources(instructor))
         return new

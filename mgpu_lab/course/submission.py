@@ -126,9 +126,11 @@ BINDS = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.FunctionDef, ast.AsyncFun
 
 
 def static_check(student, instructor) -> Dict[str, List[str]]:
-    """``{graded grade_id: forbidden references its solution cell names}``, and those
-    that a statement of the learner's in another cell above binds to a name (an alias,
-    a helper, an import: a way round the check from elsewhere)."""
+    """``{graded grade_id: forbidden references}`` its solution cell names, or reaches
+    through a name that a statement of the learner's in a cell above binds to one (an
+    alias, a helper, an import: a way round the check from elsewhere), directly or
+    through other such names."""
+    from . import graded_cell
     tests, exercise = graded_cells(instructor), exercise_of(instructor)
     sources = [c.source for c in student.cells if c.cell_type == "code"]
     aliases = guard.import_aliases(sources)
@@ -138,13 +140,14 @@ def static_check(student, instructor) -> Dict[str, List[str]]:
         forbidden = forbidden_of(cell)
         if not forbidden or not exercise[gid]:
             continue
-        hits = set()
+        hits, bindings = set(), []          # bindings: (names bound, their source)
         for c in student.cells:
             if c.cell_type != "code":
                 continue
             meta = nbgrader_meta(c)
             if meta.get("grade_id") == exercise[gid]:
                 hits.update(guard.static_violations(c.source, forbidden, aliases))
+                hits.update(_reached(c.source, bindings, forbidden, aliases))
                 break                        # cells below the exercise cannot serve it
             if meta.get("grade_id") in tests:
                 continue
@@ -152,7 +155,30 @@ def static_check(student, instructor) -> Dict[str, List[str]]:
             lines = learners_lines(c.source, given)
             for stmt in tree.body if tree else []:
                 if stmt.lineno in lines and isinstance(stmt, BINDS):
-                    hits.update(guard.static_violations(ast.unparse(stmt), forbidden, aliases))
+                    src = ast.unparse(stmt)
+                    bindings.append((graded_cell.bound_names(src), src))
         if hits:
             found[gid] = sorted(hits)
     return found
+
+
+def _loaded(source: str) -> set:
+    tree = guard._parse(source)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} if tree else set()
+
+
+def _reached(source: str, bindings, forbidden, aliases) -> set:
+    """The forbidden references ``source`` reaches through the learner's own bindings."""
+    reach = {}                                   # name -> references it leads to
+    changed = True
+    while changed:                               # helpers calling helpers: to a fixed point
+        changed = False
+        for names, src in bindings:
+            refs = set(guard.static_violations(src, forbidden, aliases))
+            for name in _loaded(src) & set(reach):
+                refs |= reach[name]
+            for name in names:
+                if refs - reach.get(name, set()):
+                    reach[name] = reach.get(name, set()) | refs
+                    changed = True
+    return {r for name in _loaded(source) & set(reach) for r in reach[name]}
