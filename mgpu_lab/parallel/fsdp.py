@@ -39,21 +39,18 @@ runs when backward ends: it waits for the reduce-scatters, so the shards'
 ``.grad`` are complete when ``backward()`` returns (as FSDP2's final callback).
 
 Training with it: ``state_dict()`` / ``load_state_dict()`` hold the full weights
-under the plain module's names (a collective: all ranks call it), so a
-checkpoint loads into the unwrapped model; ``no_sync()`` (or FSDP2's
-``set_requires_gradient_sync(False)``) adds the full gradients up locally, at
-the cost of one full gradient per rank, until a synchronised backward;
-``clip_grad_norm_`` clips by the norm over all ranks' shards.
+under the plain module's names (a collective), so a checkpoint loads into the
+unwrapped model; ``no_sync()`` (FSDP2: ``set_requires_gradient_sync(False)``)
+adds full gradients up locally, one full gradient per rank, until a synchronised
+backward.
 
-Mixed precision, named as FSDP2's ``MixedPrecisionPolicy``: ``param_dtype``
-casts the shards before the all-gather (half the bytes on the wire) and runs
-compute in it (floating-point inputs of the root and of every unit are cast;
-buffers are not); ``reduce_dtype`` is the dtype of the gradient reduce-scatter.
-Its default here is the parameters' own dtype (fp32 master weights: gradients
-are summed in fp32), where FSDP2 defaults to ``param_dtype``; pass
-``reduce_dtype=param_dtype`` for half the bytes. ``compute_dtype`` is the old
-name of ``param_dtype``. Every rank must use the same parameters in every step
-(as FSDP2 requires); reduce-scatters are issued in backward order.
+Mixed precision, named as FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for
+the all-gathers (half the bytes) and compute (floating-point inputs of the root
+and of every unit are cast; buffers are not), ``reduce_dtype`` for the gradient
+reduce-scatter: by default the parameters' own dtype (fp32 master weights sum
+their gradients in fp32), where FSDP2 defaults to ``param_dtype``.
+``compute_dtype`` is the old name of ``param_dtype``. Every rank must use the
+same parameters in every step (as FSDP2 requires).
 """
 from __future__ import annotations
 
@@ -289,23 +286,6 @@ class FSDP(nn.Module):
         buffers = {k: v for k, v in state_dict.items() if k in self.module.state_dict()}
         self.module.load_state_dict(buffers, strict=False)
         return _IncompatibleKeys(missing, unexpected)
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the shards' gradients by the norm of the *whole* gradient (all ranks' shards),
-        as FSDP1's method of the same name; returns that norm."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        device = self.flat_groups[0].shard.device if self.flat_groups else torch.device("cpu")
-        local = (torch.stack([g.float().abs().max() for g in grads]).max() if norm_type == float("inf") else
-                 torch.stack([g.float().norm(norm_type) ** norm_type for g in grads]).sum()) if grads \
-            else torch.zeros((), device=device)
-        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        dist.all_reduce(local, op=op, group=self.group)
-        total = local if norm_type == float("inf") else local ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-        return total
 
 
 def _leaves(tree, what: str) -> list:

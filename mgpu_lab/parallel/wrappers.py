@@ -144,12 +144,19 @@ def synchronize_gradients(model: nn.Module, params: List[torch.Tensor]) -> None:
                            "set_requires_gradient_sync(False): run the last backward of the window with it on")
 
 
+@torch.no_grad()
 def clip_grad_norm_(model: nn.Module, params: List[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip by the norm of the whole gradient: over all ranks' shards when they are sharded."""
-    if wrapper_kind(model) == "fsdp":
-        return model.clip_grad_norm_(max_norm)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # fully_shard: DTensors know their shards
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """Clip by the (2-)norm of the whole gradient, over all ranks' shards when they are sharded."""
+    if wrapper_kind(model) != "fsdp":
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # fully_shard: DTensors know their shards
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    grads = [p.grad for p in params if p.grad is not None]  # disjoint shards: add up squared norms
+    squares = sum((g.float().norm() ** 2 for g in grads), torch.zeros((), device=params[0].device))
+    dist.all_reduce(squares, group=model.group)
+    total = squares.sqrt()
+    if grads:
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(grads[0].dtype))
+    return total
 
 
 # --------------------------------------------------------------------------- checkpoints
