@@ -86,7 +86,9 @@ def test_the_trace_sees_the_collectives_of_fsdp_and_ddp():
     ops = launch(_fsdp_step, nprocs=2, timeout=60)[0]
     # two units gathered for forward; in backward each gathered again, then its gradient reduce-scattered;
     # then DDP's one bucket
-    ag, rs = "all_gather_into_tensor", "reduce_scatter_tensor"
+    new_names = hasattr(dist, "all_gather_single")  # torch >= 2.13
+    ag, rs = ("all_gather_single", "reduce_scatter_single") if new_names else ("all_gather_into_tensor",
+                                                                               "reduce_scatter_tensor")
     assert [op for op, _ in ops] == [ag, ag, ag, rs, ag, rs, "all_reduce"], ops
     assert all(where.startswith(("mgpu_lab/parallel/flat_param.py", "mgpu_lab/parallel/ddp.py"))
                for _, where in ops), ops

@@ -123,7 +123,8 @@ def _train_case(wrapper, scenario, mode, path):
 def _run(mode, folder, cases):
     out = {}
     for wrapper, scenario in cases:
-        out[(wrapper, scenario)] = _train_case(wrapper, scenario, mode, os.path.join(folder, f"{wrapper}-{scenario}.pt"))
+        path = os.path.join(folder, f"{wrapper}-{scenario}.pt")
+        out[(wrapper, scenario)] = _train_case(wrapper, scenario, mode, path)
     if mode == "save":  # every checkpoint written and one step more done: rank 1 dies
         dist.barrier()
         if dist.get_rank() == 1:

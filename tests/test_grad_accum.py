@@ -213,6 +213,10 @@ def test_an_unknown_wrapper_is_refused_and_data_parallel_is_one_process():
     ref, _ = _train_mse([3, 5], 2, accumulate=False)
     _assert_same(dp.module, ref)
     assert unwrap(dp) is dp.module
+    compiled = torch.compile(dp)  # compiled lazily: nothing runs here
+    assert unwrap(compiled) is dp.module
+    with pytest.raises(TypeError, match="not a data-parallel wrapper"):
+        unwrap(torch.compile(model))
 
 
 # -- two gloo processes ------------------------------------------------------

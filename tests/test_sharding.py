@@ -530,7 +530,8 @@ def _zero_like_torch():
                 except RuntimeError as e:
                     runs[name]["sd_elsewhere"] = str(e)
     res["runs"] = runs
-    res["unfrozen_moved"] = (runs["ours"]["weights"]["frozen.weight"] - TiedNet(seed=0).frozen.weight).abs().max().item()
+    unfrozen = runs["ours"]["weights"]["frozen.weight"]
+    res["unfrozen_moved"] = (unfrozen - TiedNet(seed=0).frozen.weight).abs().max().item()
     # step(closure, **kwargs) goes through, and what the local optimizer writes comes back
     stepped = {}
     for name, opt_cls in {"ours": ShardedOptimizer, "torch": ZeroRedundancyOptimizer}.items():

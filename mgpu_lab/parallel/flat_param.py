@@ -46,11 +46,13 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         self.bytes["all-gather"] += (self.world_size - 1) * shard.numel() * out.element_size()
-        self._run(dist.all_gather_into_tensor, out, shard, "all-gather")
+        # torch >= 2.13 names them *_single (the *_tensor names warn); older ones only have *_tensor
+        self._run(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, out, shard, "all-gather")
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
         self.bytes["reduce-scatter"] += (self.world_size - 1) * out.numel() * full.element_size()
-        return self._run(dist.reduce_scatter_tensor, out, full, "reduce-scatter", async_op=True)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return self._run(fn, out, full, "reduce-scatter", async_op=True)
 
     def _run(self, fn, out, inp, what: str, async_op: bool = False):
         try:

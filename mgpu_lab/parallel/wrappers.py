@@ -24,6 +24,7 @@ A model that looks like a data-parallel wrapper (it has ``no_sync``,
 ``finish_gradient_synchronization``, ``set_requires_gradient_sync`` or
 ``require_backward_grad_sync``) but is none of these is refused with a
 ``TypeError``: treating it as a plain module could silently skip its communication.
+``torch.compile``'s wrapper is looked through: the model it compiled is what counts.
 """
 from __future__ import annotations
 
@@ -45,8 +46,15 @@ _WRAPPER_METHODS = ("no_sync", "finish_gradient_synchronization", "set_requires_
                     "require_backward_grad_sync")
 
 
+def _compiled(model):
+    """The module ``torch.compile`` wrapped (its ``OptimizedModule`` keeps it as ``_orig_mod``), or ``model``."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
 def wrapper_kind(model: nn.Module) -> str:
     """``"local"``, ``"torch_ddp"``, ``"ddp"``, ``"fsdp"`` or ``"fully_shard"``; TypeError for an unknown wrapper."""
+    model = _compiled(model)
     if isinstance(model, DistributedDataParallel):
         return "torch_ddp"
     if isinstance(model, _DataParallelBase):
@@ -79,6 +87,7 @@ def _is_fully_shard(model: nn.Module) -> bool:
 def unwrap(model: nn.Module) -> nn.Module:
     """The module whose ``state_dict()`` is the plain model's: ``.module`` of DDP and DataParallel
     wrappers; an FSDP or a fully_shard module itself."""
+    model = _compiled(model)
     while wrapper_kind(model) in ("torch_ddp", "ddp") or isinstance(model, (nn.DataParallel, DataParallel)):
         model = model.module
     return model
@@ -86,7 +95,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def process_group(model: nn.Module):
     """The process group the model's gradients are averaged over (None: the default group)."""
-    kind = wrapper_kind(model)
+    model, kind = _compiled(model), wrapper_kind(model)
     if kind == "torch_ddp":
         return model.process_group
     if kind in ("ddp", "fsdp"):
@@ -169,7 +178,7 @@ def _full_options(rank0_only: bool):
 def model_state_dict(model: nn.Module, rank0_only: bool = False) -> Dict[str, Any]:
     """The plain model's state dict, full weights (a collective for sharded models; with
     ``rank0_only`` their other ranks get an empty dict)."""
-    kind = wrapper_kind(model)
+    model, kind = _compiled(model), wrapper_kind(model)
     if kind == "fsdp":
         return model.state_dict(rank0_only=rank0_only)
     if kind == "fully_shard":
@@ -180,6 +189,7 @@ def model_state_dict(model: nn.Module, rank0_only: bool = False) -> Dict[str, An
 
 def load_model_state_dict(model: nn.Module, state_dict: Dict[str, Any]) -> None:
     """Load a plain model's state dict (full weights, on every rank) into any kind."""
+    model = _compiled(model)
     if wrapper_kind(model) == "fully_shard":
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
         set_model_state_dict(model, state_dict, options=_full_options(False))
@@ -195,7 +205,7 @@ def optimizer_state_dict(model: nn.Module, optimizer) -> Any:
     ranks); otherwise ``optimizer.state_dict()``.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    kind = wrapper_kind(model)
+    model, kind = _compiled(model), wrapper_kind(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if isinstance(optimizer, (ShardedOptimizer, ZeroRedundancyOptimizer)):
         optimizer.consolidate_state_dict(to=0)
@@ -213,7 +223,7 @@ def optimizer_state_dict(model: nn.Module, optimizer) -> Any:
 
 def load_optimizer_state_dict(model: nn.Module, optimizer, state_dict: Any) -> None:
     """Load what ``optimizer_state_dict`` returned on rank 0, on every rank."""
-    kind = wrapper_kind(model)
+    model, kind = _compiled(model), wrapper_kind(model)
     if kind == "fully_shard":
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
         set_optimizer_state_dict(model, optimizer, state_dict, options=_full_options(False))
