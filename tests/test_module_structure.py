@@ -34,7 +34,7 @@ def test_no_import_circle_between_the_parallel_modules():
 def test_one_flatten_and_one_tree_walker():
     for name in ("ddp.py", "zero.py", "wrappers.py"):  # wrappers.py: GradientAccumulator's flat all-reduce
         source = (PARALLEL / name).read_text()
-        assert "_flatten_dense_tensors" in source and "offset" not in source, name  # no hand-made copy
+        assert "_unflatten_dense_tensors" in source and "offset" not in source, name  # no hand-made copy
     fsdp = ast.parse((PARALLEL / "fsdp.py").read_text())
     functions = {n.name for n in ast.walk(fsdp) if isinstance(n, ast.FunctionDef)}
     assert "_flatten" not in functions and "torch.utils._pytree" in ast.unparse(fsdp)

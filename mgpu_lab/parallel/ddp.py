@@ -61,7 +61,7 @@ from typing import Dict, Iterator, List
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 _live_wrapper: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
@@ -209,7 +209,7 @@ class _Bucket:
         self.ready = 0     # gradients complete in this synchronised backward
         self.work = None   # the all-reduce in flight
         self.parts: List[torch.Tensor] = []  # what was flattened: the gradients, then the used flags
-        self.flat = None
+        self.flat = None   # kept from step to step: a fresh gradient-sized buffer would cost page faults
 
 
 class BucketedDDP(_DataParallelBase):
@@ -224,11 +224,12 @@ class BucketedDDP(_DataParallelBase):
     require) with ``dist.all_reduce(async_op=True)``. Buckets still incomplete
     when backward ends (a parameter unused here) are launched by the callback.
 
-    A message is the bucket's gradients flattened (``_flatten_dense_tensors``)
-    plus one number per parameter: 1 where this rank used it. After the
-    all-reduce, a 0 there means no rank did. Costs: one gradient-sized flat
-    buffer per step; one message per bucket instead of per parameter. A huge
-    cap gives one bucket and no overlap; a tiny cap gives per-parameter messages.
+    A message is the bucket's gradients flattened into one buffer, plus one
+    number per parameter: 1 where this rank used it. After the all-reduce, a 0
+    there means no rank did; ``_unflatten_dense_tensors`` gives the averages back
+    as views. Costs: one gradient-sized flat buffer, kept; one message per
+    bucket instead of per parameter. A huge cap gives one bucket and no
+    overlap; a tiny cap gives per-parameter messages.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None):
@@ -271,7 +272,9 @@ class BucketedDDP(_DataParallelBase):
         used = torch.tensor([float(self._used[i]) for i in bucket.indices], dtype=grads[0].dtype,
                             device=grads[0].device)
         bucket.parts = grads + [used]
-        bucket.flat = _flatten_dense_tensors(bucket.parts)
+        if bucket.flat is None:
+            bucket.flat = torch.empty(sum(t.numel() for t in bucket.parts), dtype=used.dtype, device=used.device)
+        torch.cat([t.reshape(-1) for t in bucket.parts], out=bucket.flat)  # torch's _flatten_dense_tensors, in place
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     @torch.no_grad()
@@ -297,6 +300,6 @@ class BucketedDDP(_DataParallelBase):
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
-            bucket.work, bucket.flat, bucket.parts, bucket.ready = None, None, [], 0
+            bucket.work, bucket.parts, bucket.ready = None, [], 0
         self._next_bucket = 0
         self._reset()
