@@ -98,7 +98,7 @@ class FlatGroup:
         self.reduce_grads = True  # False under no_sync: keep the full gradient, add up locally
         self.full: Optional[torch.Tensor] = None
         self.unsharded_grad: Optional[torch.Tensor] = None
-        self.pending: List[Tuple[object, torch.Tensor, torch.Tensor]] = []
+        self.pending: List[Tuple[object, torch.Tensor]] = []  # reduce-scatters in flight: (work, output)
         for slots in self.slots:
             for module, attr in slots:
                 del module._parameters[attr]
@@ -141,8 +141,7 @@ class FlatGroup:
             self.unsharded_grad = grad
             return
         out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
-        grad = grad.contiguous()
-        self.pending.append((self.comm.reduce_scatter(out, grad), out, grad))
+        self.pending.append((self.comm.reduce_scatter(out, grad.contiguous()), out))
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -151,8 +150,8 @@ class FlatGroup:
         if self.reduce_grads and self.unsharded_grad is not None:
             grad, self.unsharded_grad = self.unsharded_grad, None
             out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
-            self.pending.append((self.comm.reduce_scatter(out, grad), out, grad))
-        for work, out, _ in self.pending:
+            self.pending.append((self.comm.reduce_scatter(out, grad), out))
+        for work, out in self.pending:
             work.wait()  # bounded by the process group's timeout
             out = out.to(self.shard.dtype).div_(self.comm.world_size)
             if self.shard.grad is None:

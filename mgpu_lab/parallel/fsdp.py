@@ -173,9 +173,9 @@ class FSDP(nn.Module):
 
     def _cast(self, tree, what: str):
         """Floating-point tensors in ``tree`` to ``param_dtype`` (FSDP2's cast_forward_inputs)."""
-        _leaves(tree, what)
         if self.param_dtype is None:
             return tree
+        _leaves(tree, what)
         return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, tree)
 
     def _post_forward(self, groups):
@@ -186,7 +186,8 @@ class FSDP(nn.Module):
         return hook
 
     def _register_pre_backward(self, output, groups, what: str) -> None:
-        tensors = [t for t in _leaves(output, what) if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves = [output] if isinstance(output, torch.Tensor) else _leaves(output, what)  # the usual case: fast
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
         def pre_backward(grad):
             if not self._backward_started:  # once per backward: finish everything at its end
