@@ -1,6 +1,9 @@
 """ShardedOptimizer (ZeRO-1) and FSDP (ZeRO-3) train to the parameters of one process
 on the full batch, of torch's ZeroRedundancyOptimizer and of torch's fully_shard (FSDP2),
-on gloo with N = 2 and 3.
+on gloo with N = 2 and 3. ShardedOptimizer behaves as ZeroRedundancyOptimizer (defaults
+and hyper-parameters in param_groups, a scheduler, step(closure, **kwargs), frozen
+parameters partitioned, consolidate_state_dict); FSDP is a training wrapper (full
+state_dict, no_sync / set_requires_gradient_sync, param_dtype / reduce_dtype, nested inputs).
 
 The model (TiedNet) has a frozen layer, a bias with requires_grad=False, a buffer and
 an output projection tied to the embedding; each rank builds it from its own seed.
