@@ -6,7 +6,8 @@ Options: --nprocs N (default 2), --width (default 512), --layers (default 20),
 --batch (per rank, default 64), --steps (timed steps, default 15). The backend and each rank's
 device follow mgpu_lab's policy: NCCL on cuda:rank when every rank has a GPU, else gloo.
 
-One training step = zero_grad, forward, loss, backward, gradient sync, SGD step.
+One training step = zero_grad, forward, loss, backward (each wrapper's gradient sync
+ends with it, as in a loop written for torch DDP), SGD step.
 Prints the median step time of each wrapper (the slowest rank's), its ratio to
 torch's DistributedDataParallel measured in the same run (target: BucketedDDP
 at its default 25 MB <= 1.15x torch DDP), and a no-communication baseline (each
@@ -43,9 +44,6 @@ class _Local(nn.Module):
     def forward(self, x):
         return self.module(x)
 
-    def finish_gradient_synchronization(self):
-        pass
-
 
 def _bench(width, layers, batch, steps):
     rank = dist.get_rank()
@@ -68,8 +66,6 @@ def _bench(width, layers, batch, steps):
         model, opt = models[name], opts[name]
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(model(x), y).backward()
-        if not isinstance(model, DistributedDataParallel):
-            model.finish_gradient_synchronization()
         opt.step()
 
     medians = median_times({name: (lambda name=name: step(name)) for name in order}, repeats=steps, warmup=1,

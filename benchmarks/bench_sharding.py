@@ -6,7 +6,7 @@ Options: --nprocs 2 4 (default both), --width (default 800), --layers (default 8
 5.1 M parameters; 8 equal layers split evenly over 2 and 4 ranks), --batch (per rank, default 32), --steps (timed, default 8).
 CPU: gloo; with a GPU per rank, NCCL on cuda:rank.
 
-One step = zero_grad, forward, loss, backward, gradient sync, AdamW step; the four
+One step = zero_grad, forward, loss, backward (gradient sync ends with it), AdamW step; the four
 wrappers take turns step by step (interleaved), and the figure is the slowest rank's
 median step time. Bytes per rank are
 measured after a step: every storage held by the parameters, their gradients
@@ -94,9 +94,7 @@ def _bench(width, layers, batch, steps):
     def step(kind):
         model, opt, _ = made[kind]
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        if hasattr(model, "finish_gradient_synchronization"):
-            model.finish_gradient_synchronization()
+        nn.functional.mse_loss(model(x), y).backward()  # every wrapper's gradients are ready when it returns
         opt.step()
 
     medians = median_times({kind: (lambda kind=kind: step(kind)) for kind in KINDS}, repeats=steps, warmup=2,

@@ -73,6 +73,38 @@ class ModelOutput:
 torch.utils._pytree.register_dataclass(ModelOutput, field_names=["logits"], drop_field_names=["note"])
 
 
+WRAPPERS = ("torch_ddp", "naive", "bucketed", "fsdp", "fully_shard")
+
+
+def wrap(kind: str, module: nn.Module) -> nn.Module:
+    """``module`` under one of the data-parallel wrappers a practitioner picks (inside launch()).
+
+    fully_shard is applied as one applies it to a model's blocks: to each direct child that
+    shares no parameter with another child (a tied embedding/head stays in the root), then
+    to the root. Unlike the others it does not broadcast rank 0's weights: build the module
+    from the same seed on every rank.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+    from mgpu_lab import FSDP, BucketedDDP, NaiveDDP
+    if kind == "fully_shard":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        import torch.distributed as dist
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        children = [c for c in module.children() if any(True for _ in c.parameters())]
+        owners = {}
+        for c in children:
+            for p in c.parameters():
+                owners.setdefault(id(p), set()).add(id(c))
+        for c in children:
+            if all(len(owners[id(p)]) == 1 for p in c.parameters()):
+                fully_shard(c, mesh=mesh)
+        return fully_shard(module, mesh=mesh)
+    makers = {"torch_ddp": DistributedDataParallel, "naive": NaiveDDP, "bucketed": BucketedDDP,
+              "bucketed_small": lambda m: BucketedDDP(m, bucket_cap_mb=1e-3), "fsdp": FSDP}
+    return makers[kind](module)
+
+
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     """The largest absolute difference between two models' state (parameters and buffers)."""
     sa, sb = a.state_dict(), b.state_dict()

@@ -70,6 +70,30 @@ def test_a_clean_program_records_its_sequence_and_unpatches():
     assert_no_children()
 
 
+def _fsdp_step():
+    """The library's own collectives are seen: FSDP's all-gathers and reduce-scatters, DDP's all-reduce."""
+    from mgpu_lab import FSDP, BucketedDDP
+    torch.manual_seed(0)
+    fsdp = FSDP(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    ddp = BucketedDDP(torch.nn.Linear(2, 2))
+    with collective_trace(timeout=TIMEOUT) as trace:
+        fsdp(torch.ones(1, 2)).sum().backward()
+        ddp(torch.ones(1, 2)).sum().backward()
+    return [(r["op"], r["where"].split(" ")[0]) for r in trace.records]
+
+
+def test_the_trace_sees_the_collectives_of_fsdp_and_ddp():
+    ops = launch(_fsdp_step, nprocs=2, timeout=60)[0]
+    # two units gathered for forward; in backward each gathered again, then its gradient reduce-scattered;
+    # then DDP's one bucket
+    new_names = hasattr(dist, "all_gather_single")  # torch >= 2.13
+    ag, rs = ("all_gather_single", "reduce_scatter_single") if new_names else ("all_gather_into_tensor",
+                                                                               "reduce_scatter_tensor")
+    assert [op for op, _ in ops] == [ag, ag, ag, rs, ag, rs, "all_reduce"], ops
+    assert all(where.startswith(("mgpu_lab/parallel/flat_param.py", "mgpu_lab/parallel/ddp.py"))
+               for _, where in ops), ops
+
+
 def test_a_collective_only_rank_0_calls_is_named_within_the_timeout():
     err, elapsed = _run("skip")
     assert elapsed < TIMEOUT + 10

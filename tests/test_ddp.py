@@ -1,9 +1,12 @@
 """NaiveDDP and BucketedDDP train to the parameters of one process on the full batch,
-and of torch's DistributedDataParallel (gloo, N = 2, 3, 4).
+and of torch's DistributedDataParallel (gloo, N = 2, 3, 4), in a loop written for
+torch DDP (no extra call after backward).
 
 The model has a frozen layer, a bias with requires_grad=False, a buffer, and an
 output projection tied to the embedding. Each rank builds it from a different
-seed, so only the broadcast at construction makes the replicas equal.
+seed, so only the broadcast at construction makes the replicas equal. Unused
+parameters and a second backward match torch DDP (find_unused_parameters=True);
+wrapping a module twice leaves only the second wrapper's hooks.
 """
 import time
 from datetime import timedelta
@@ -64,11 +67,9 @@ def _train_cases():
             launched[name] = []
             for x, y in batches:
                 opt.zero_grad()
-                _loss(model, x[lo:hi], y[lo:hi]).backward()
+                _loss(model, x[lo:hi], y[lo:hi]).backward()  # gradients are averaged when it returns
                 if isinstance(model, BucketedDDP):
-                    launched[name].append(model.buckets_in_flight)
-                if name != "torch_ddp":
-                    model.finish_gradient_synchronization()
+                    launched[name].append(model.buckets_launched_in_backward)
                 opt.step()
         for name, model in wrappers.items():  # all trained: compare
             out[(opt_name, name)] = dict(
@@ -124,13 +125,6 @@ def _errors_and_unused():
             res[key] = None
         except (TypeError, ValueError) as e:
             res[key] = str(e)
-    model = BucketedDDP(nn.Linear(3, 3))
-    model(torch.ones(1, 3)).sum().backward()
-    try:
-        model(torch.ones(1, 3)).sum().backward()  # forgot finish_gradient_synchronization()
-        res["twice"] = None
-    except RuntimeError as e:
-        res["twice"] = str(e)
     # A layer used only on rank 0: the others contribute zeros, nobody hangs.
     def net():
         torch.manual_seed(0)
@@ -186,7 +180,6 @@ def test_bad_input_and_unused_parameter():
     for res in results:
         assert "bucket_cap_mb" in res["cap"]
         assert "nn.Module" in res["module"]
-        assert "finish_gradient_synchronization" in res["twice"]
         for name in ("NaiveDDP", "BucketedDDP", "BucketedDDP_small"):
             assert torch.equal(res[name], results[0][name])  # ranks agree
             torch.testing.assert_close(res[name], res["expected"])
@@ -196,9 +189,8 @@ def _missing_peer():
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=1))
     model = BucketedDDP(nn.Linear(3, 3), group=group)
     if dist.get_rank() == 0:
-        model(torch.ones(1, 3)).sum().backward()
         try:
-            model.finish_gradient_synchronization()
+            model(torch.ones(1, 3)).sum().backward()  # the end-of-backward callback waits, and fails
         except RuntimeError as e:
             return str(e)
         return "no error"
@@ -229,7 +221,6 @@ def _gpu_equivalence():
     _loss(ref, x, y).backward()
     model = BucketedDDP(TiedNet(seed=rank).to(device), bucket_cap_mb=1e-3)
     _loss(model, x[lo:hi], y[lo:hi]).backward()
-    model.finish_gradient_synchronization()
     return max((p.grad - ref.get_parameter(n).grad).abs().max().item()
                for n, p in model.module.named_parameters() if p.grad is not None)
 
@@ -237,3 +228,112 @@ def _gpu_equivalence():
 @requires_gpus(2)
 def test_bucketed_ddp_on_nccl():
     assert max(launch(_gpu_equivalence, nprocs=2)) < 1e-4
+
+
+# --------------------------------------------------------------------------- as torch DDP does it
+
+class _ThreeLayers(nn.Module):
+    """Layer b is used only when asked; layer "never" never is."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.never = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return (self.b(h) if use_b else h).sum()
+
+
+def _three_layers():
+    return _ThreeLayers()
+
+
+def _forward(m, x, use_b):
+    return m(x, use_b)
+
+
+def _like_torch_ddp():
+    """A loop written for torch DDP (no call after backward) against torch DDP itself, with
+    find_unused_parameters=True: layer b is used on rank 0 only, layer "never" by no rank."""
+    rank = dist.get_rank()
+    x = torch.arange(6.0).reshape(2, 3) + rank
+    out = {}
+    for name, wrap in {"torch": lambda m: DistributedDataParallel(m, find_unused_parameters=True),
+                       "NaiveDDP": NaiveDDP, "BucketedDDP": BucketedDDP,
+                       "BucketedDDP_small": lambda m: BucketedDDP(m, bucket_cap_mb=1e-5)}.items():
+        model = wrap(_three_layers())
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        grads, never_grad = [], []
+        for step in range(2):
+            opt.zero_grad()
+            _forward(model, x, use_b=rank == 0).backward()
+            if step == 1:  # a second backward before the step: the gradients add up, averaged
+                _forward(model, x * 2, use_b=True).backward()
+            grads.append({n: p.grad.clone() for n, p in model.module.named_parameters() if p.grad is not None})
+            never_grad.append(model.module.never.weight.grad)
+            opt.step()
+        out[name] = dict(grads=grads, never_grad=never_grad,
+                         never_moved=(model.module.never.weight - _three_layers().never.weight).abs().max().item(),
+                         weights={n: p.detach().clone() for n, p in model.module.named_parameters()})
+    return out
+
+
+def test_finishes_with_backward_and_treats_unused_parameters_as_torch_ddp():
+    for res in launch(_like_torch_ddp, nprocs=2, timeout=120):
+        ref = res["torch"]
+        assert ref["never_grad"] == [None, None] and ref["never_moved"] == 0.0  # torch's behaviour
+        for name in ("NaiveDDP", "BucketedDDP", "BucketedDDP_small"):
+            r = res[name]
+            assert r["never_grad"] == [None, None], name  # no rank used it: grad stays None
+            assert r["never_moved"] == 0.0, name          # and AdamW leaves it alone
+            for mine, theirs in zip(r["grads"], ref["grads"]):
+                assert sorted(mine) == sorted(theirs), name
+                for n in theirs:
+                    torch.testing.assert_close(mine[n], theirs[n], msg=lambda m: f"{name} {n}: {m}")
+            for n, w in ref["weights"].items():
+                torch.testing.assert_close(r["weights"][n], w, msg=lambda m: f"{name} {n}: {m}")
+
+
+def _wrap_twice():
+    """Re-running a notebook cell wraps the same module again: only the new wrapper may act."""
+    rank = dist.get_rank()
+    calls = []
+    all_reduce = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+    out = {}
+    for name, wrap in {"NaiveDDP": NaiveDDP, "BucketedDDP": BucketedDDP}.items():
+        net = _three_layers()
+        first = wrap(net)
+        model = wrap(net)  # the cell, run again
+        ref = _three_layers()
+        dist.all_reduce = counting
+        try:
+            for _ in range(2):  # a second step: the old hooks would have made it fail
+                calls.clear()
+                model.zero_grad()
+                _forward(model, torch.ones(2, 3) * (rank + 1), use_b=True).backward()
+        finally:
+            dist.all_reduce = all_reduce
+        _forward(ref, torch.ones(2, 3) * 1.5, use_b=True).backward()  # the average of the ranks' inputs
+        try:
+            first(torch.ones(1, 3))
+            old = None
+        except RuntimeError as e:
+            old = str(e)
+        out[name] = dict(calls=list(calls), old=old,
+                         diff=max((p.grad - ref.get_parameter(n).grad).abs().max().item()
+                                  for n, p in net.named_parameters() if p.grad is not None))
+    return out
+
+
+def test_wrapping_a_module_again_leaves_no_hooks_of_the_first_wrapper():
+    for res in launch(_wrap_twice, nprocs=2, timeout=60):
+        assert res["NaiveDDP"]["calls"] == [6] + [9, 3] * 2, res  # the used flags, then a and b (w, b)
+        assert res["BucketedDDP"]["calls"] == [36 + 6], res       # one bucket + one flag per parameter
+        for r in res.values():
+            assert r["diff"] < 1e-6, r
+            assert "replaced by a newer wrapper" in r["old"], r

@@ -185,6 +185,40 @@ def test_bad_input_is_refused_with_advice():
         acc.backward(model(torch.randn(3, 6)).mean(), 0)
 
 
+class _UnknownWrapper(nn.Module):
+    """A data-parallel wrapper mgpu_lab does not know: it communicates in finish_gradient_synchronization."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+    def finish_gradient_synchronization(self):
+        raise AssertionError("an all-reduce mgpu_lab cannot know it must call")
+
+
+def test_an_unknown_wrapper_is_refused_and_data_parallel_is_one_process():
+    from mgpu_lab import TrainState, unwrap
+    model = _UnknownWrapper(mlp(0))
+    for make in (lambda: GradientAccumulator(model, _sgd(model), 2), lambda: TrainState(model), lambda: unwrap(model)):
+        with pytest.raises(TypeError, match="not a data-parallel wrapper mgpu_lab knows"):
+            make()
+    dp = nn.DataParallel(mlp(0))  # one process: accumulates like the plain module
+    acc = GradientAccumulator(dp, _sgd(dp), 2)
+    for x, y in _mse_batches([3, 5]):
+        with acc.micro_step():
+            acc.backward(nn.functional.mse_loss(dp(x), y), len(x))
+    ref, _ = _train_mse([3, 5], 2, accumulate=False)
+    _assert_same(dp.module, ref)
+    assert unwrap(dp) is dp.module
+    compiled = torch.compile(dp)  # compiled lazily: nothing runs here
+    assert unwrap(compiled) is dp.module
+    with pytest.raises(TypeError, match="not a data-parallel wrapper"):
+        unwrap(torch.compile(model))
+
+
 # -- two gloo processes ------------------------------------------------------
 
 K, MICRO = 3, 7  # two full windows, then flush() on one micro-batch

@@ -1,11 +1,16 @@
 """ShardedOptimizer (ZeRO-1) and FSDP (ZeRO-3) train to the parameters of one process
 on the full batch, of torch's ZeroRedundancyOptimizer and of torch's fully_shard (FSDP2),
-on gloo with N = 2 and 3.
+on gloo with N = 2 and 3. ShardedOptimizer behaves as ZeroRedundancyOptimizer (defaults
+and hyper-parameters in param_groups, a scheduler, step(closure, **kwargs), frozen
+parameters partitioned, consolidate_state_dict); FSDP is a training wrapper (full
+state_dict, no_sync / set_requires_gradient_sync, param_dtype / reduce_dtype, nested inputs).
 
 The model (TiedNet) has a frozen layer, a bias with requires_grad=False, a buffer and
 an output projection tied to the embedding; each rank builds it from its own seed.
 """
 import copy
+import dataclasses
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -86,6 +91,7 @@ def _sharded_optimizer_cases():
                 model.finish_gradient_synchronization()
             opt.step()
         names = {p: n for n, p in ours_model.module.named_parameters()}
+        torch_names = {p: n for n, p in torch_model.module.named_parameters()}
         state_bytes = sum(t.numel() * t.element_size() for s in ours.state.values()
                           for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
         out[name] = dict(
@@ -94,6 +100,9 @@ def _sharded_optimizer_cases():
             reloaded=[p.detach().clone() for p in again_model.module.parameters()],
             sd=sd, tied=ours_model.module.head.weight is ours_model.module.embed.weight,
             owned=[[names[p] for p in part] for part in ours.partition],
+            torch_owned=[[torch_names[p] for g in groups for p in g["params"]]
+                         for groups in theirs._partition_parameters()],
+            trainable={n for n, p in ours_model.module.named_parameters() if p.requires_grad},
             n_state=len(ours.state), state_bytes=state_bytes,
             lr=[g["lr"] for g in ours.local_optimizer.param_groups],
         )
@@ -136,12 +145,14 @@ def test_sharded_optimizer_matches_unsharded_and_zero_redundancy(world):
             assert r["owned"] == results[0][name]["owned"], label  # the same partition everywhere
         # optimizer state exists once across the group: each trainable parameter has one owner
         assert sum(res[name]["n_state"] for res in results) == 3, label  # embed (tied: once), hidden.w/b
-        owned = results[0][name]["owned"]
-        # balanced by size: the 512-element embedding alone, the hidden layer (256 + 16) elsewhere
-        assert owned == ([["embed.weight"], ["hidden.weight", "hidden.bias"]] if world == 2 else
-                         [["embed.weight"], ["hidden.weight"], ["hidden.bias"]]), (label, owned)
-        bytes_per_rank = [res[name]["state_bytes"] for res in results]
-        assert bytes_per_rank[0] == 512 * 4 * (1 if name == "sgd" else 2), (label, bytes_per_rank)
+        owned, r0 = results[0][name]["owned"], results[0][name]
+        # every parameter, frozen ones too, partitioned as ZeroRedundancyOptimizer does it
+        assert [sorted(o) for o in owned] == [sorted(o) for o in r0["torch_owned"]], (label, owned)
+        assert sorted(n for o in owned for n in o) == sorted(n for n, _ in TiedNet().named_parameters())
+        sizes = dict((n, p.numel()) for n, p in TiedNet().named_parameters())
+        for rank, res in enumerate(results):  # state only for this rank's trainable parameters
+            expected = sum(sizes[n] for n in owned[rank] if n in r0["trainable"]) * 4 * (1 if name == "sgd" else 2)
+            assert res[name]["state_bytes"] == expected, (label, rank, res[name]["state_bytes"], expected)
 
 
 def test_partition_is_balanced():
@@ -191,20 +202,22 @@ def _full_grads(model):
     return grads
 
 
-def _fsdp_cases(compute_dtype):
+def _fsdp_cases(param_dtype, reduce_dtype=None):
+    """Our FSDP against the full batch and FSDP2 with the same MixedPrecisionPolicy; the loop has
+    no call after backward (the gradients are reduce-scattered when it returns)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
     ref = TiedNet(seed=0)
     # Adam turns rounding differences of near-zero gradients into lr-sized steps: SGD for 16 bits
-    make = (lambda ps: torch.optim.AdamW(ps, lr=0.02)) if compute_dtype is None else \
+    make = (lambda ps: torch.optim.AdamW(ps, lr=0.02)) if param_dtype is None else \
         (lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9))
     ref_opt = make([p for p in ref.parameters() if p.requires_grad])
-    ours = FSDP(TiedNet(seed=rank), compute_dtype=compute_dtype)
+    ours = FSDP(TiedNet(seed=rank), param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     opt = make(ours.parameters())
     mp = None
-    if compute_dtype is not None:
+    if param_dtype is not None:  # ours reduces in fp32 unless asked; FSDP2 in param_dtype unless asked
         from torch.distributed.fsdp import MixedPrecisionPolicy
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or torch.float32)
     theirs = _torch_fully_shard(0, mp)
     their_opt = make([p for p in theirs.parameters() if p.requires_grad])
     freed_after_forward, gathered_dtypes, in_forward, grad_diffs = [], set(), [], {}
@@ -219,7 +232,6 @@ def _fsdp_cases(compute_dtype):
         freed_after_forward.append(max(g.full.untyped_storage().nbytes() for g in ours.flat_groups))
         gathered_dtypes |= {g.full.dtype for g in ours.flat_groups}
         loss.backward()
-        ours.finish_gradient_synchronization()
         if not grad_diffs:  # the first step's gradients: the full batch's, averaged over ranks
             grad_diffs = {n: (g - ref.get_parameter(n).grad).abs().max().item()
                           for n, g in _full_grads(ours).items()}
@@ -273,9 +285,10 @@ def test_fsdp_matches_full_batch_and_fully_shard(world):
         assert r["comm"]["reduce-scatter"] > 0 and r["comm"]["all-gather"] > r["comm"]["reduce-scatter"], label
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fsdp_mixed_precision(dtype):
-    results = launch(_fsdp_cases, args=(dtype,), nprocs=2, timeout=180)
+@pytest.mark.parametrize("dtype, reduce_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                                  (torch.bfloat16, None)], ids=["bf16", "fp16", "bf16-reduce-fp32"])
+def test_fsdp_mixed_precision(dtype, reduce_dtype):
+    results = launch(_fsdp_cases, args=(dtype, reduce_dtype), nprocs=2, timeout=180)
     for r in results:
         assert r["dtypes"] == {dtype} and r["shard_dtypes"] == {torch.float32}
         assert max(r["vs_torch"].values()) < 1e-5, r["vs_torch"]  # the same rounding points as FSDP2
@@ -357,10 +370,209 @@ def _gpu_fsdp():
     _loss(ref, x, y).backward()
     model = FSDP(TiedNet(seed=rank).to(device))
     _loss(model, x[lo:hi], y[lo:hi]).backward()
-    model.finish_gradient_synchronization()
     return max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
 
 
 @requires_gpus(2)
 def test_fsdp_on_nccl():
     assert all(g > 0 for g in launch(_gpu_fsdp, nprocs=2))
+
+
+# --------------------------------------------------------------------------- FSDP as a training wrapper
+
+class _Pair(NamedTuple):
+    x: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Out:
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Unregistered:
+    y: torch.Tensor
+
+
+class _Structured(nn.Module):
+    """Inputs and outputs nested in a namedtuple, a dict, a list and a (registered) dataclass."""
+
+    def __init__(self, out_cls=_Out):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second, self.out_cls = nn.Linear(4, 4), nn.Linear(4, 2), out_cls
+
+    def forward(self, pair, extra):
+        h = self.first(pair.x * pair.scale)
+        return {"out": [self.out_cls(self.second(h + extra["bias"]))]}
+
+
+def _fsdp_training_pieces():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils._pytree import register_dataclass
+    register_dataclass(_Out)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    res = {}
+    # state_dict: the plain model's keys, order and values; load_state_dict puts them back
+    model = FSDP(TiedNet(seed=rank))
+    sd = model.state_dict()
+    plain = TiedNet(seed=0)
+    res["keys"] = (list(sd) == list(plain.state_dict()))
+    res["values"] = max((sd[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    res["rank0_only"] = len(model.state_dict(rank0_only=True))
+    other = FSDP(TiedNet(seed=5))
+    other.load_state_dict(TiedNet(seed=3).state_dict())
+    res["loaded"] = max((v - TiedNet(seed=3).state_dict()[k]).abs().max().item()
+                        for k, v in other.state_dict().items())
+    # no_sync / set_requires_gradient_sync: two micro-batches, the first local; equals the full batch
+    # and FSDP2 accumulating the same way
+    x, y = _batches()[0]
+    ref = TiedNet(seed=0)
+    _loss(ref, x, y).backward()
+    mid = (lo + hi) // 2
+    theirs = _torch_fully_shard(0)
+    for name, m in {"no_sync": FSDP(TiedNet(seed=rank)), "set_requires": FSDP(TiedNet(seed=rank)),
+                    "fully_shard": theirs}.items():
+        parts = [(x[lo:mid], y[lo:mid]), (x[mid:hi], y[mid:hi])]
+        for i, (xs, ys) in enumerate(parts):
+            if i == 0 and name == "no_sync":
+                with m.no_sync():
+                    (_loss(m, xs, ys) * len(xs) / (hi - lo)).backward()
+                res["local_after_no_sync"] = [p.grad for p in m.parameters()]
+            else:
+                m.set_requires_gradient_sync(i == 1)
+                (_loss(m, xs, ys) * len(xs) / (hi - lo)).backward()
+        grads = _full_grads(m) if name != "fully_shard" else \
+            {n: p.grad.full_tensor() for n, p in m.named_parameters() if p.grad is not None}
+        res[name] = max((g - ref.get_parameter(n).grad).abs().max().item() for n, g in grads.items())
+    # structured inputs and outputs, cast to param_dtype by pytree; an unregistered dataclass is refused
+    torch.manual_seed(1)
+    pair, extra = _Pair(torch.randn(3, 4), torch.tensor(2.0)), {"bias": torch.randn(4)}
+    plain = _Structured()
+    plain(pair, extra)["out"][0].y.float().pow(2).sum().backward()
+    for dtype in (None, torch.bfloat16):
+        m = FSDP(_Structured(), param_dtype=dtype)
+        out = m(pair, extra)["out"][0].y
+        out.float().pow(2).sum().backward()
+        grads = _full_grads(m)
+        res[f"structured_{dtype}"] = (out.dtype, max((g - plain.get_parameter(n).grad).abs().max().item()
+                                                     for n, g in grads.items()))
+    try:
+        FSDP(_Structured(_Unregistered))(pair, extra)
+        res["unregistered"] = None
+    except TypeError as e:
+        res["unregistered"] = str(e)
+    return res
+
+
+def test_fsdp_state_dict_no_sync_and_structured_inputs():
+    for rank, res in enumerate(launch(_fsdp_training_pieces, nprocs=2, timeout=120)):
+        assert res["keys"] and res["values"] == 0.0  # rank 0's weights, under the plain names, in order
+        assert res["loaded"] == 0.0
+        assert res["rank0_only"] == (len(TiedNet().state_dict()) if rank == 0 else 0)
+        for name in ("no_sync", "set_requires", "fully_shard"):
+            assert res[name] < 1e-6, (name, res[name])  # accumulated locally, then the full-batch gradient
+        assert all(g is None for g in res["local_after_no_sync"])  # nothing reduced inside no_sync
+        assert res["structured_None"][0] == torch.float32 and res["structured_None"][1] < 1e-6
+        assert res["structured_torch.bfloat16"][0] == torch.bfloat16 and res["structured_torch.bfloat16"][1] < 0.1
+        assert "register_dataclass(_Unregistered)" in res["unregistered"], res["unregistered"]
+
+
+# --------------------------------------------------------------------------- ShardedOptimizer as ZeRO
+
+class _KwargSGD(torch.optim.SGD):
+    """SGD whose step takes a keyword and writes a hyper-parameter back into its groups."""
+
+    def step(self, closure=None, factor=1.0):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g in self.param_groups:
+            g["seen_factor"] = factor
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        super().step()
+        return loss
+
+
+def _zero_like_torch():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    res = {}
+    # defaults in the outer groups: a scheduler without an explicit lr; a frozen layer unfrozen later
+    runs = {}
+    for name, make in {"ours": lambda ps: ShardedOptimizer(ps, optimizer_class=torch.optim.AdamW),
+                       "old_keyword": lambda ps: ShardedOptimizer(ps, optimizer_cls=torch.optim.AdamW),
+                       "torch": lambda ps: ZeroRedundancyOptimizer(ps, optimizer_class=torch.optim.AdamW)}.items():
+        model = DistributedDataParallel(TiedNet(seed=0))
+        opt = make(_groups(model.module))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        for step, (x, y) in enumerate(_batches()):
+            if step == 1:
+                model.module.frozen.weight.requires_grad_(True)
+                model = DistributedDataParallel(model.module)  # DDP reads requires_grad at construction
+            opt.zero_grad()
+            _loss(model, x[lo:hi], y[lo:hi]).backward()
+            opt.step()
+            sched.step()
+        runs[name] = dict(groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                          weights={n: p.detach().clone() for n, p in model.module.named_parameters()})
+        if name != "old_keyword":
+            opt.consolidate_state_dict(to=0)
+            if rank == 0:
+                runs[name]["sd"] = opt.state_dict()
+            elif name == "ours":
+                try:
+                    opt.state_dict()
+                    runs[name]["sd_elsewhere"] = None
+                except RuntimeError as e:
+                    runs[name]["sd_elsewhere"] = str(e)
+    res["runs"] = runs
+    unfrozen = runs["ours"]["weights"]["frozen.weight"]
+    res["unfrozen_moved"] = (unfrozen - TiedNet(seed=0).frozen.weight).abs().max().item()
+    # step(closure, **kwargs) goes through, and what the local optimizer writes comes back
+    stepped = {}
+    for name, opt_cls in {"ours": ShardedOptimizer, "torch": ZeroRedundancyOptimizer}.items():
+        model = DistributedDataParallel(TiedNet(seed=0))
+        opt = opt_cls([p for p in model.parameters() if p.requires_grad], optimizer_class=_KwargSGD, lr=0.1)
+        x, y = _batches()[0]
+
+        def closure():
+            opt.zero_grad()
+            loss = _loss(model, x[lo:hi], y[lo:hi])
+            loss.backward()
+            return loss
+        loss = opt.step(closure, factor=0.5)
+        stepped[name] = dict(loss=loss.item(), seen=[g.get("seen_factor") for g in opt.param_groups],
+                             weights={n: p.detach().clone() for n, p in model.module.named_parameters()})
+    res["stepped"] = stepped
+    return res
+
+
+def test_sharded_optimizer_behaves_as_zero_redundancy_optimizer():
+    for rank, res in enumerate(launch(_zero_like_torch, nprocs=2, timeout=120)):
+        ours, old, theirs = res["runs"]["ours"], res["runs"]["old_keyword"], res["runs"]["torch"]
+        assert ours["groups"] == theirs["groups"] == old["groups"], (ours["groups"], theirs["groups"])
+        assert "betas" in ours["groups"][0] and ours["groups"][0]["lr"] == 1e-3 / (1 + STEPS)  # defaults, scheduled
+        for n, w in theirs["weights"].items():
+            torch.testing.assert_close(ours["weights"][n], w, rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
+            assert torch.equal(old["weights"][n], ours["weights"][n])
+        assert res["unfrozen_moved"] > 1e-4  # unfrozen after a step: its owner updates it
+        if rank == 0:  # consolidate_state_dict(to=0), then state_dict() on rank 0, as torch
+            assert ours["sd"]["param_groups"] == theirs["sd"]["param_groups"]  # the current lr included
+            assert sorted(ours["sd"]["state"]) == sorted(theirs["sd"]["state"])
+            for i, s in theirs["sd"]["state"].items():
+                for k, v in s.items():
+                    torch.testing.assert_close(ours["sd"]["state"][i][k], v, rtol=RTOL, atol=ATOL)
+        else:
+            assert "consolidated on rank 0" in ours["sd_elsewhere"]
+        s_ours, s_theirs = res["stepped"]["ours"], res["stepped"]["torch"]
+        assert s_ours["seen"] == s_theirs["seen"] == [0.5], (s_ours["seen"], s_theirs["seen"])
+        assert s_ours["loss"] == s_theirs["loss"]
+        for n, w in s_theirs["weights"].items():
+            torch.testing.assert_close(s_ours["weights"][n], w, rtol=RTOL, atol=ATOL)

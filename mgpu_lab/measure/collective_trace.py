@@ -56,7 +56,8 @@ from .trace_compare import _END, P2P, Divergence, _key, describe, format_report
 _TENSOR_ARG = {
     "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
     "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
-    "reduce_scatter": (0, "output"), "reduce_scatter_tensor": (1, "input"),
+    "all_gather_single": (1, "input_tensor"),
+    "reduce_scatter": (0, "output"), "reduce_scatter_tensor": (1, "input"), "reduce_scatter_single": (1, "input"),
     "all_to_all": (1, "input_tensor_list"), "all_to_all_single": (1, "input"),
     "gather": (0, "tensor"), "scatter": (0, "tensor"), "barrier": (None, None),
     "monitored_barrier": (None, None), "all_gather_object": (None, None), "gather_object": (None, None),
@@ -66,8 +67,9 @@ _TENSOR_ARG = {
 }
 _ROOT_ARG = {"broadcast": (1, "src"), "reduce": (1, "dst"), "gather": (2, "dst"), "scatter": (2, "src"),
              "send": (1, "dst"), "recv": (1, "src"), "isend": (1, "dst"), "irecv": (1, "src")}
-_TIMED = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-          "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier"}
+_TIMED = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+          "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+          "gather", "scatter", "barrier"}
 _SKIP_FILES = (os.path.dirname(torch.__file__), __file__.rstrip("c"), os.path.dirname(functools.__file__),
                os.path.join(os.path.dirname(os.path.dirname(__file__)), "runtime", "launch.py"))
 _trace_ids = itertools.count()

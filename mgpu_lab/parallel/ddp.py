@@ -9,52 +9,65 @@ same parameters as one process on the whole batch.
 
 Two ways to average, the same numbers, different speed:
 
-* ``NaiveDDP``: after ``loss.backward()``, one blocking all-reduce per parameter.
-  Communication starts only when backward has finished (nothing overlaps), and
-  a model with many small parameters pays the per-message latency many times.
+* ``NaiveDDP``: once backward has finished, one blocking all-reduce per
+  parameter. Nothing overlaps, and a model with many small parameters pays the
+  per-message latency many times.
 * ``BucketedDDP``: gradients become ready in roughly reverse parameter order
-  during backward. A hook on each parameter copies its gradient into a flat
-  *bucket* (about ``bucket_cap_mb`` of gradients); when a bucket is full it
-  starts an asynchronous all-reduce while autograd keeps computing the earlier
-  layers' gradients. ``finish_gradient_synchronization()`` waits for the buckets
-  and averages. Fewer, larger messages, and communication hidden behind compute:
-  what ``torch.nn.parallel.DistributedDataParallel`` does (in C++).
+  during backward. When a *bucket* of parameters (about ``bucket_cap_mb`` of
+  gradients) is complete, its gradients are flattened into one message and an
+  asynchronous all-reduce starts while autograd keeps computing the earlier
+  layers' gradients. Fewer, larger messages, and communication hidden behind
+  compute: what ``torch.nn.parallel.DistributedDataParallel`` does (in C++).
 
 Usage (both classes)::
 
     model = BucketedDDP(net)            # broadcasts rank 0's parameters and buffers
-    loss_fn(model(x_local), y_local).backward()
-    model.finish_gradient_synchronization()
+    loss_fn(model(x_local), y_local).backward()   # returns with averaged gradients
     optimizer.step()                    # optimizer over model.parameters()
 
     with model.no_sync():               # gradient accumulation: no communication,
         loss_fn(model(x1), y1).backward()   # gradients add up locally
-    loss_fn(model(x2), y2).backward()   # this backward syncs the accumulated sum
-    model.finish_gradient_synchronization()
+    loss_fn(model(x2), y2).backward()   # this backward averages the accumulated sum
 
-What they handle: parameters with ``requires_grad=False`` (never communicated,
-still broadcast at construction), tied weights (a parameter shared by two
-modules is one tensor: it is reduced once, its gradient already holds both
-uses), and a parameter that got no gradient on a rank (it contributes zeros and
-receives the average, so ranks never disagree about what to send). Which
-parameters require grad is read at construction, as DDP does. Buffers are
-broadcast at construction only (DDP re-broadcasts them every forward).
+Finishing with backward: a hook on each parameter
+(``register_post_accumulate_grad_hook``) runs when its gradient is complete. The
+first one of a synchronised backward queues a callback with autograd's engine
+(``Variable._execution_engine.queue_callback``), which runs once the whole
+backward is done: it waits for the communication and writes the averages into
+``.grad``. So any training loop works unchanged, as with torch DDP (whose C++
+reducer does the same). ``finish_gradient_synchronization()`` is that callback
+called by hand: a no-op when nothing is pending; called outside ``no_sync``
+after backward passes that ran inside it, it averages their sum now.
+
+Unused parameters, as torch DDP with ``find_unused_parameters=True``: a
+parameter that got no gradient on some rank contributes zeros there and gets
+the average; one that *no* rank used keeps its ``grad`` as it was (``None``
+after ``zero_grad()``), so the optimizer leaves it alone. Frozen parameters
+(``requires_grad=False`` at construction, as DDP reads it) are broadcast at
+construction and never reduced; a tied parameter is one tensor, reduced once.
+Buffers are broadcast at construction only (DDP re-broadcasts them every
+forward). Wrapping a module again (re-running a notebook cell) retires the
+previous wrapper: its hooks are removed, and calling it is an error.
 
 Timeouts: every wait is a collective or ``Work.wait()`` and is bounded by the
 process group's timeout (gloo honours it; NCCL's watchdog enforces it).
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _unflatten_dense_tensors
+
+_live_wrapper: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class _DataParallelBase(nn.Module):
-    """What both DDPs share: the broadcast, ``.module``, forward, ``no_sync``."""
+    """What both DDPs share: the broadcast, the hooks and the end-of-backward callback, ``no_sync``."""
 
     def __init__(self, module: nn.Module, group=None):
         super().__init__()
@@ -74,6 +87,16 @@ class _DataParallelBase(nn.Module):
             self._names.setdefault(id(p), name)
         self._check_devices()
         self._broadcast_from_rank0()
+        self._used = [False] * len(self._params)  # got a gradient here since the last sync
+        self._pending = False                     # gradients accumulated since the last sync
+        self._callback_queued = False
+        self._retired = False
+        previous = _live_wrapper.get(module)
+        if previous is not None and previous() is not None:
+            previous()._retire()
+        _live_wrapper[module] = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(self._params)]
 
     def _check_devices(self) -> None:
         backend = dist.get_backend(self.group)
@@ -94,15 +117,24 @@ class _DataParallelBase(nn.Module):
             if buf.data_ptr() != t.data_ptr():
                 t.copy_(buf)
 
+    def _retire(self) -> None:
+        """A newer wrapper took this module: remove our hooks so only its ones fire."""
+        for h in self._hooks:
+            h.remove()
+        self._retired = True
+
     def forward(self, *args, **kwargs):
+        if self._retired:
+            raise RuntimeError(f"this {type(self).__name__} was replaced by a newer wrapper of the same module "
+                               "(a cell run twice?): use the new one")
+        self._callback_queued = False  # a backward that failed half-way may have left it set
         return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, with no communication.
 
-        The first synchronised backward after it (and its
-        ``finish_gradient_synchronization()``) averages the accumulated sums.
+        The first synchronised backward after it averages the accumulated sums.
         """
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
@@ -111,44 +143,73 @@ class _DataParallelBase(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    # ------------------------------------------------------------------ backward
+    def _make_hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            # Runs once per backward per parameter object, after its gradient
+            # (all uses of a tied weight summed) is in param.grad.
+            self._used[i] = True
+            self._pending = True
+            if not self.require_backward_grad_sync:
+                return
+            if not self._callback_queued:  # the first ready gradient of this backward
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._grad_ready(i)
+        return hook
+
+    def _grad_ready(self, i: int) -> None:
+        """Parameter i's gradient is complete in a synchronised backward (BucketedDDP launches here)."""
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._synchronize()
+
     def finish_gradient_synchronization(self) -> None:
+        """Average what is not averaged yet: a no-op after a synchronised backward (its callback
+        did it) and inside ``no_sync``; outside, after backward passes inside it, averages them now."""
+        if self.require_backward_grad_sync and self._pending:
+            self._synchronize()
+
+    def _synchronize(self) -> None:
         raise NotImplementedError
+
+    def _reset(self) -> None:
+        self._used = [False] * len(self._params)
+        self._pending = False
 
 
 class NaiveDDP(_DataParallelBase):
-    """Average every gradient with its own blocking all-reduce after backward.
+    """Average every gradient with its own blocking all-reduce once backward is done.
 
-    Costs per step: one all-reduce per parameter that requires grad (for a
-    20-layer MLP, 40 messages, each paying the latency), all of it after
-    backward, so compute and communication never overlap.
+    Costs per step: one all-reduce of one flag per parameter (which were used,
+    on any rank), then one all-reduce per used parameter (for a 20-layer MLP,
+    40 messages, each paying the latency), all of it after backward, so compute
+    and communication never overlap.
     """
 
-    def __init__(self, module: nn.Module, group=None):
-        super().__init__(module, group)
-
     @torch.no_grad()
-    def finish_gradient_synchronization(self) -> None:
-        """Call after ``backward()``, before ``optimizer.step()``. No-op in ``no_sync``."""
-        if not self.require_backward_grad_sync:
-            return
-        for p in self._params:
-            if p.grad is None:  # unused on this rank: contribute zeros
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=self.group)  # waits; bounded by the group's timeout
-            p.grad.div_(self.world_size)
+    def _synchronize(self) -> None:
+        if self._params:
+            used = torch.tensor(self._used, dtype=torch.float32, device=self._params[0].device)
+            dist.all_reduce(used, group=self.group)  # waits; bounded by the group's timeout
+            for p, anyone in zip(self._params, used.tolist()):
+                if not anyone:  # no rank used it: its grad stays as it is
+                    continue
+                if p.grad is None:  # unused on this rank only: contribute zeros
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad.div_(self.world_size)
+        self._reset()
 
 
 class _Bucket:
-    def __init__(self, params: List[nn.Parameter]):
-        self.params = params
-        self.offsets = []
-        total = 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
-        self.ready = 0
-        self.work = None
+    def __init__(self, indices: List[int], params: List[nn.Parameter]):
+        self.indices, self.params = indices, params
+        self.ready = 0     # gradients complete in this synchronised backward
+        self.work = None   # the all-reduce in flight
+        self.parts: List[torch.Tensor] = []  # what was flattened: the gradients, then the used flags
+        self.flat = None   # kept from step to step: a fresh gradient-sized buffer would cost page faults
 
 
 class BucketedDDP(_DataParallelBase):
@@ -157,14 +218,18 @@ class BucketedDDP(_DataParallelBase):
     Parameters that require grad are packed, in reverse registration order (the
     order backward produces their gradients), into buckets of at most
     ``bucket_cap_mb`` MiB (a larger parameter gets a bucket of its own; a dtype
-    or device change starts a new bucket). A ``register_post_accumulate_grad_hook``
-    on each parameter counts it ready; when a bucket is complete, it and any
-    complete buckets after it are launched in bucket order (the same order on
-    every rank, as collectives require) with ``dist.all_reduce(async_op=True)``.
+    or device change starts a new bucket). Each parameter's hook counts it
+    ready; when a bucket is complete, it and any complete buckets after it are
+    launched in bucket order (the same order on every rank, as collectives
+    require) with ``dist.all_reduce(async_op=True)``. Buckets still incomplete
+    when backward ends (a parameter unused here) are launched by the callback.
 
-    Costs: one extra copy of the gradients (the flat buckets, gradient-sized
-    memory); one message per bucket instead of per parameter. A huge cap gives
-    one bucket and no overlap; a tiny cap gives per-parameter messages.
+    A message is the bucket's gradients flattened into one buffer, plus one
+    number per parameter: 1 where this rank used it. After the all-reduce, a 0
+    there means no rank did; ``_unflatten_dense_tensors`` gives the averages back
+    as views. Costs: one gradient-sized flat buffer, kept; one message per
+    bucket instead of per parameter. A huge cap gives one bucket and no
+    overlap; a tiny cap gives per-parameter messages.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None):
@@ -173,73 +238,49 @@ class BucketedDDP(_DataParallelBase):
         super().__init__(module, group)
         self.bucket_cap_mb = float(bucket_cap_mb)
         cap = self.bucket_cap_mb * 1024 * 1024
-        groups: List[List[nn.Parameter]] = []
+        groups: List[List[int]] = []
         size = 0
-        for p in reversed(self._params):
-            nbytes = p.numel() * p.element_size()
-            last = groups[-1][-1] if groups else None
+        for i in reversed(range(len(self._params))):
+            p, nbytes = self._params[i], self._params[i].numel() * self._params[i].element_size()
+            last = self._params[groups[-1][-1]] if groups else None
             if (last is None or size + nbytes > cap
                     or p.dtype != last.dtype or p.device != last.device):
                 groups.append([])
                 size = 0
-            groups[-1].append(p)
+            groups[-1].append(i)
             size += nbytes
-        self._buckets = [_Bucket(ps) for ps in groups]
+        self._buckets = [_Bucket(ix, [self._params[i] for i in ix]) for ix in groups]
+        self._bucket_of = {i: b for b, ix in enumerate(groups) for i in ix}
         self._next_bucket = 0  # buckets launch strictly in this order
-        self._hooks = []
-        for b, bucket in enumerate(self._buckets):
-            for p in bucket.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(b)))
+        self.buckets_launched_in_backward = 0
 
     @property
     def buckets(self) -> List[List[str]]:
         """Parameter names per bucket, in launch order."""
         return [[self._names[id(p)] for p in b.params] for b in self._buckets]
 
-    @property
-    def buckets_in_flight(self) -> int:
-        """Buckets launched since the last ``finish_gradient_synchronization()``;
-        right after a full backward it equals ``len(self.buckets)`` (all overlapped)."""
-        return self._next_bucket
-
-    def _make_hook(self, b: int):
-        def hook(param: torch.Tensor) -> None:
-            # Runs once per backward per parameter object, after its gradient
-            # (all uses of a tied weight summed) is in param.grad.
-            if not self.require_backward_grad_sync:
-                return
-            bucket = self._buckets[b]
-            if bucket.work is not None:
-                raise RuntimeError("a second backward ran before finish_gradient_synchronization(): "
-                                   "call it after every synchronised backward, or wrap the extra "
-                                   "backward passes in model.no_sync()")
-            bucket.ready += 1
-            while (self._next_bucket < len(self._buckets)
-                   and self._buckets[self._next_bucket].ready >= len(self._buckets[self._next_bucket].params)):
-                self._launch(self._buckets[self._next_bucket])
-                self._next_bucket += 1
-        return hook
+    def _grad_ready(self, i: int) -> None:
+        self._buckets[self._bucket_of[i]].ready += 1
+        while (self._next_bucket < len(self._buckets)
+               and self._buckets[self._next_bucket].ready == len(self._buckets[self._next_bucket].params)):
+            self._launch(self._buckets[self._next_bucket])
+            self._next_bucket += 1
 
     @torch.no_grad()
     def _launch(self, bucket: _Bucket) -> None:
-        for p, off in zip(bucket.params, bucket.offsets):
-            view = bucket.buffer[off: off + p.numel()]
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad.reshape(-1))
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        used = torch.tensor([float(self._used[i]) for i in bucket.indices], dtype=grads[0].dtype,
+                            device=grads[0].device)
+        bucket.parts = grads + [used]
+        if bucket.flat is None:
+            bucket.flat = torch.empty(sum(t.numel() for t in bucket.parts), dtype=used.dtype, device=used.device)
+        torch.cat([t.reshape(-1) for t in bucket.parts], out=bucket.flat)  # torch's _flatten_dense_tensors, in place
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     @torch.no_grad()
-    def finish_gradient_synchronization(self) -> None:
-        """Wait for every bucket, average, write the results into ``.grad``.
-
-        Buckets not launched during backward (a parameter got no gradient, or
-        backward ran inside ``no_sync``) are launched here, in order. No-op
-        inside ``no_sync``.
-        """
-        if not self.require_backward_grad_sync:
-            return
+    def _synchronize(self) -> None:
+        """Launch the buckets backward did not complete, wait for all, write the averages into ``.grad``."""
+        self.buckets_launched_in_backward = self._next_bucket
         for bucket in self._buckets[self._next_bucket:]:
             self._launch(bucket)
         for b, bucket in enumerate(self._buckets):
@@ -248,14 +289,17 @@ class BucketedDDP(_DataParallelBase):
             except RuntimeError as e:
                 raise RuntimeError(
                     f"rank {dist.get_rank()}: the all-reduce of bucket {b} ({self.buckets[b]}) failed ({e}). "
-                    "Every rank must run the same number of synchronised backward passes, each followed "
-                    "by finish_gradient_synchronization().") from e
-            bucket.buffer.div_(self.world_size)
-            for p, off in zip(bucket.params, bucket.offsets):
-                avg = bucket.buffer[off: off + p.numel()].view_as(p)
+                    "Every rank must run the same synchronised backward passes (and none skips backward).") from e
+            *averages, used = _unflatten_dense_tensors(bucket.flat.div_(self.world_size), bucket.parts)
+            # A bucket complete here holds only parameters this rank used: no need to read the flags.
+            anyone = [True] * len(bucket.params) if bucket.ready == len(bucket.params) else (used > 0).tolist()
+            for p, avg, u in zip(bucket.params, averages, anyone):
+                if not u:  # no rank used it: its grad stays as it is
+                    continue
                 if p.grad is None:
                     p.grad = avg.clone()
                 else:
                     p.grad.copy_(avg)
-            bucket.work, bucket.ready = None, 0
+            bucket.work, bucket.parts, bucket.ready = None, [], 0
         self._next_bucket = 0
+        self._reset()

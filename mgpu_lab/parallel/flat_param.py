@@ -7,41 +7,67 @@ keeps slice ``rank`` as an ``nn.Parameter``: the shard the optimizer updates
 their modules; while the unit computes, the modules' attributes are views into
 the gathered full vector.
 
-* ``gather()`` (forward): all-gather the shards into a fresh buffer through the
-  autograd function ``_Gather``, so that autograd routes the full vector's
-  gradient back to ``_Gather.backward``;
+* ``gather()`` (forward): all-gather the shards (cast to ``param_dtype``) into a
+  fresh buffer through the autograd function ``_Gather``, so that autograd routes
+  the full vector's gradient back to ``_Gather.backward``;
 * ``free()``: drop the buffer's *storage* (``untyped_storage().resize_(0)``). The
   views autograd saved for backward remain valid objects pointing at it;
 * ``regather()`` (backward): re-allocate that storage and all-gather into it,
   through ``.data`` (an alias with its own version counter, so autograd does not
   see the saved views as modified in place);
-* ``_Gather.backward``: start an asynchronous reduce-scatter of the full gradient
-  and free the storage; ``finish()`` waits, divides by N and adds the slice into
-  the shard's ``.grad`` (fp32, whatever dtype was communicated).
+* ``_Gather.backward``: cast the full gradient to ``reduce_dtype``, start an
+  asynchronous reduce-scatter and free the storage; ``finish()`` waits, divides
+  by N and adds the slice into the shard's ``.grad`` (in the shard's dtype).
+  With ``reduce_grads`` off (``no_sync``) the full gradient is kept and added up
+  locally instead, and reduce-scattered with the next synchronised one.
 
-Cost: one ``all_gather`` per gather (Ψ_unit·(N-1)/N bytes sent per rank), one
-``reduce_scatter`` per backward (the same), the full buffer while the unit runs.
+``Comm`` issues the two collectives (looked up in ``torch.distributed`` at each
+call, so instruments such as ``collective_trace`` see them) and counts the bytes
+this rank sends: one ``all_gather`` per gather and one ``reduce_scatter`` per
+synchronised backward, each Ψ_unit·(N-1)/N.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    from .fsdp import FSDP
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+class Comm:
+    """FSDP's process group and its two collectives, with a byte count and an error that says why."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.src = 0 if group is None else dist.get_global_rank(group, 0)
+        self.bytes = {"all-gather": 0, "reduce-scatter": 0}  # sent by this rank, computed
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        self.bytes["all-gather"] += (self.world_size - 1) * shard.numel() * out.element_size()
+        # torch >= 2.13 names them *_single (the *_tensor names warn); older ones only have *_tensor
+        self._run(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, out, shard, "all-gather")
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
+        self.bytes["reduce-scatter"] += (self.world_size - 1) * out.numel() * full.element_size()
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return self._run(fn, out, full, "reduce-scatter", async_op=True)
+
+    def _run(self, fn, out, inp, what: str, async_op: bool = False):
+        try:
+            return fn(out, inp, group=self.group, async_op=async_op)
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {dist.get_rank()}: FSDP {what} failed ({e}). Every rank must run the "
+                               "same units in the same order (same forward, same backward).") from e
 
 
 class FlatGroup:
     """The parameters of one unit that share requires_grad, as one sharded flat buffer."""
 
-    def __init__(self, fsdp: "FSDP", unit: str, entries, requires_grad: bool):
-        self.fsdp, self.unit, self.requires_grad = fsdp, unit, requires_grad
+    def __init__(self, unit: str, entries, requires_grad: bool, comm: Comm,
+                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None):
+        self.unit, self.requires_grad, self.comm = unit, requires_grad, comm
         self.names: List[str] = []
         self.slots: List[List[Tuple[nn.Module, str]]] = []  # where each parameter is used
         self.shapes, self.offsets = [], []
@@ -52,7 +78,7 @@ class FlatGroup:
             self.shapes.append(param.shape)
             self.offsets.append(total)
             total += param.numel()
-        n = fsdp.world_size
+        n = comm.world_size
         self.numel = total
         self.padded = -(-total // n) * n
         self.shard_numel = self.padded // n
@@ -64,11 +90,15 @@ class FlatGroup:
         flat = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             torch.cat([p.detach().reshape(-1) for _, p, _ in entries], out=flat[:total])
-        dist.broadcast(flat, src=fsdp._src, group=fsdp.group)  # everyone starts from rank 0's weights
-        lo = fsdp.rank * self.shard_numel
+        dist.broadcast(flat, src=comm.src, group=comm.group)  # everyone starts from rank 0's weights
+        lo = comm.rank * self.shard_numel
         self.shard = nn.Parameter(flat[lo: lo + self.shard_numel].clone(), requires_grad=requires_grad)
+        self.param_dtype = param_dtype or first.dtype
+        self.reduce_dtype = reduce_dtype or first.dtype
+        self.reduce_grads = True  # False under no_sync: keep the full gradient, add up locally
         self.full: Optional[torch.Tensor] = None
-        self.pending: List[Tuple[object, torch.Tensor]] = []
+        self.unsharded_grad: Optional[torch.Tensor] = None
+        self.pending: List[Tuple[object, torch.Tensor]] = []  # reduce-scatters in flight: (work, output)
         for slots in self.slots:
             for module, attr in slots:
                 del module._parameters[attr]
@@ -80,8 +110,7 @@ class FlatGroup:
 
     def gather(self) -> None:
         """Forward: all-gather into a fresh buffer (autograd-tracked), point the modules at it."""
-        dtype = self.fsdp.compute_dtype or self.shard.dtype
-        self.full = _Gather.apply(self.shard, self, dtype)
+        self.full = _Gather.apply(self.shard, self)
         for name_slots, shape, off in zip(self.slots, self.shapes, self.offsets):
             view = self.full[off: off + shape.numel()].view(shape)
             for module, attr in name_slots:
@@ -94,24 +123,37 @@ class FlatGroup:
             return
         buf = self.full.data  # own version counter: autograd's saved views stay valid
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-        self.fsdp._collective(_all_gather, buf, self.shard.detach().to(buf.dtype), "all-gather")
+        self.comm.all_gather(buf, self.shard.detach().to(buf.dtype))
 
     def free(self) -> None:
         if self.gathered:
             self.full.untyped_storage().resize_(0)
 
+    # --------------------------------------------------------------- gradients
     @torch.no_grad()
     def reduce_scatter(self, full_grad: torch.Tensor) -> None:
-        out = torch.empty(self.shard_numel, dtype=full_grad.dtype, device=full_grad.device)
-        work = self.fsdp._collective(_reduce_scatter, out, full_grad.contiguous(), "reduce-scatter",
-                                     async_op=True)
-        self.pending.append((work, out))
+        """Backward: start reducing this unit's full gradient (or keep it, under no_sync)."""
+        grad = full_grad.to(self.reduce_dtype)
+        if self.unsharded_grad is not None:  # accumulated under no_sync: send the sum
+            grad = self.unsharded_grad.add_(grad)
+            self.unsharded_grad = None
+        if not self.reduce_grads:
+            self.unsharded_grad = grad
+            return
+        out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
+        self.pending.append((self.comm.reduce_scatter(out, grad.contiguous()), out))
 
     @torch.no_grad()
     def finish(self) -> None:
+        """Wait for the reduce-scatters and add each averaged slice into ``shard.grad``;
+        outside no_sync, first send what backward passes under no_sync accumulated."""
+        if self.reduce_grads and self.unsharded_grad is not None:
+            grad, self.unsharded_grad = self.unsharded_grad, None
+            out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
+            self.pending.append((self.comm.reduce_scatter(out, grad), out))
         for work, out in self.pending:
             work.wait()  # bounded by the process group's timeout
-            out = out.to(self.shard.dtype).div_(self.fsdp.world_size)
+            out = out.to(self.shard.dtype).div_(self.comm.world_size)
             if self.shard.grad is None:
                 self.shard.grad = out
             else:
@@ -123,10 +165,10 @@ class _Gather(torch.autograd.Function):
     """shard -> full parameters (all-gather); backward: full grad -> reduce-scatter (async)."""
 
     @staticmethod
-    def forward(ctx, shard, group: FlatGroup, dtype):
+    def forward(ctx, shard, group: FlatGroup):
         ctx.group = group
-        full = torch.empty(group.padded, dtype=dtype, device=shard.device)
-        group.fsdp._collective(_all_gather, full, shard.detach().to(dtype), "all-gather")
+        full = torch.empty(group.padded, dtype=group.param_dtype, device=shard.device)
+        group.comm.all_gather(full, shard.detach().to(group.param_dtype))
         return full
 
     @staticmethod
@@ -134,4 +176,4 @@ class _Gather(torch.autograd.Function):
         group = ctx.group
         group.reduce_scatter(grad_full)
         group.free()
-        return None, None, None
+        return None, None

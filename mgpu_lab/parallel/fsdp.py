@@ -26,57 +26,78 @@ the *root* unit, gathered for the whole forward and the whole backward. A
 parameter reachable from two units (tied weights: the output head sharing the
 embedding) also goes to the root unit, so it is gathered once and its gradient
 (both uses summed by autograd) reduce-scattered once; ``units`` reports where each
-parameter went. A unit must run at most once per forward.
+parameter went. A unit must run at most once per forward. Within a unit, the
+parameters sharing ``requires_grad`` are one :class:`~mgpu_lab.parallel.flat_param.FlatGroup`;
+frozen parameters are sharded and gathered too, but never reduced.
 
-Within a unit, the parameters are flattened into one buffer per ``requires_grad``
-value (FSDP1's ``FlatParameter``), padded to a multiple of N; rank r keeps slice r
-of it as an ``nn.Parameter`` (fp32 master weights). Frozen parameters are sharded
-and gathered too, but never reduced.
+How the hooks work: a forward pre-hook gathers each unit's flat groups, a
+forward hook frees them and hooks the unit's outputs (found in any nesting of
+tuples, lists, dicts, namedtuples and registered dataclasses by
+``torch.utils._pytree``), so that backward gathers them again before the unit's
+backward. The first of those hooks queues a callback with autograd's engine that
+runs when backward ends: it waits for the reduce-scatters, so the shards'
+``.grad`` are complete when ``backward()`` returns (as FSDP2's final callback).
 
-How the hooks work: a forward pre-hook gathers each unit's flat groups
-(:mod:`mgpu_lab.parallel.flat_param`), a forward hook frees them and hooks the
-unit's outputs, so that backward gathers them again before the unit's backward;
-the reduce-scatter starts as soon as a group's full gradient is complete.
+Training with it: ``state_dict()`` / ``load_state_dict()`` hold the full weights
+under the plain module's names (a collective), so a checkpoint loads into the
+unwrapped model; ``no_sync()`` (FSDP2: ``set_requires_gradient_sync(False)``)
+adds full gradients up locally, one full gradient per rank, until a synchronised
+backward.
 
-Mixed precision: with ``compute_dtype`` the shards are cast before the all-gather
-(half the bytes on the wire), compute runs in that dtype (floating-point inputs
-of the root and of every unit are cast, as FSDP2 does; buffers are not),
-gradients are reduce-scattered in it and added to fp32 shard gradients. Every rank must use the same parameters in every step (as
-FSDP2 requires); reduce-scatters are issued in backward order.
+Mixed precision, named as FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for
+the all-gathers (half the bytes) and compute (floating-point inputs of the root
+and of every unit are cast; buffers are not), ``reduce_dtype`` for the gradient
+reduce-scatter: by default the parameters' own dtype (fp32 master weights sum
+their gradients in fp32), where FSDP2 defaults to ``param_dtype``.
+``compute_dtype`` is the old name of ``param_dtype``. Every rank must use the
+same parameters in every step (as FSDP2 requires).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+import dataclasses
+from contextlib import contextmanager
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.utils._pytree import tree_leaves, tree_map_only
 
-from .flat_param import FlatGroup, _all_gather
+from .flat_param import Comm, FlatGroup
+
+
+def _check_dtype(name: str, dtype) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{name} must be a floating-point torch.dtype, got {dtype!r}")
 
 
 class FSDP(nn.Module):
     """Fully sharded data parallel: every rank stores 1/N of each unit's parameters.
 
     ``parameters()`` yields the local fp32 shards: build the optimizer over them.
-    Call ``finish_gradient_synchronization()`` after backward, before the step.
+    Gradients are reduce-scattered and averaged by the time ``backward()`` returns.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: Optional[torch.dtype] = None,
-                 units: Optional[Iterable[nn.Module]] = None, group=None):
+    def __init__(self, module: nn.Module, param_dtype: Optional[torch.dtype] = None,
+                 units: Optional[Iterable[nn.Module]] = None, group=None, *,
+                 reduce_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
-        if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
-                                              and compute_dtype.is_floating_point):
-            raise ValueError(f"compute_dtype must be a floating-point torch.dtype, got {compute_dtype!r}")
+        if compute_dtype is not None and param_dtype is not None and compute_dtype != param_dtype:
+            raise ValueError("compute_dtype is the old name of param_dtype: give one of them")
+        param_dtype = param_dtype or compute_dtype
+        _check_dtype("param_dtype (compute_dtype)", param_dtype)
+        _check_dtype("reduce_dtype", reduce_dtype)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: build the model inside "
                                "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
-        self.module, self.group, self.compute_dtype = module, group, compute_dtype
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self._src = 0 if group is None else dist.get_global_rank(group, 0)
-        self.comm_bytes = {"all-gather": 0, "reduce-scatter": 0}  # sent by this rank, computed
+        self.module, self.group = module, group
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self._comm = Comm(group)
+        self.rank, self.world_size = self._comm.rank, self._comm.world_size
+        self._state_keys = list(module.state_dict().keys())  # the plain module's, in its order
         unit_modules = list(module.children()) if units is None else list(units)
         names = {id(m): n for n, m in module.named_modules()}
         for m in unit_modules:
@@ -108,7 +129,7 @@ class FSDP(nn.Module):
             for rg in (True, False):
                 entries = [(pname[i], params[i], slots[i]) for i in mine if params[i].requires_grad == rg]
                 if entries:
-                    groups.append(FlatGroup(self, uname, entries, rg))
+                    groups.append(FlatGroup(uname, entries, rg, self._comm, param_dtype, reduce_dtype))
             self._units.append((uname, u, groups))
             if u is not None and groups:
                 u.register_forward_pre_hook(self._pre_forward(groups), with_kwargs=True)
@@ -116,7 +137,7 @@ class FSDP(nn.Module):
         self._shards = nn.ParameterList([g.shard for _, _, gs in self._units for g in gs])
         with torch.no_grad():
             for b in module.buffers():
-                dist.broadcast(b, src=self._src, group=group)
+                dist.broadcast(b, src=self._comm.src, group=group)
         self._backward_started = False
         self._ran = None
 
@@ -130,14 +151,10 @@ class FSDP(nn.Module):
     def flat_groups(self) -> List[FlatGroup]:
         return [g for _, _, gs in self._units for g in gs]
 
-    def _collective(self, fn, out, inp, what: str, async_op: bool = False):
-        n = self.world_size
-        self.comm_bytes[what] += (n - 1) * (out if what == "all-gather" else inp).numel() // n * out.element_size()
-        try:
-            return fn(out, inp, group=self.group, async_op=async_op)
-        except RuntimeError as e:
-            raise RuntimeError(f"rank {dist.get_rank()}: FSDP {what} failed ({e}). Every rank must run the "
-                               "same units in the same order (same forward, same backward).") from e
+    @property
+    def comm_bytes(self) -> Dict[str, int]:
+        """Bytes this rank sent, per collective (computed, not measured)."""
+        return self._comm.bytes
 
     # --------------------------------------------------------------- hooks
     def _pre_forward(self, groups):
@@ -151,35 +168,29 @@ class FSDP(nn.Module):
                 self._ran.add(id(module))
             for g in groups:
                 g.gather()
-            return self._cast(args), self._cast(kwargs)
+            return self._cast((args, kwargs), f"the input of unit '{groups[0].unit}'")
         return hook
 
-    def _cast(self, obj):
-        """Floating-point tensors in ``obj`` to ``compute_dtype`` (FSDP2's cast_forward_inputs)."""
-        if self.compute_dtype is None:
-            return obj
-        if isinstance(obj, torch.Tensor):
-            return obj.to(self.compute_dtype) if obj.is_floating_point() else obj
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._cast(o) for o in obj)
-        if isinstance(obj, dict):
-            return {k: self._cast(v) for k, v in obj.items()}
-        return obj
+    def _cast(self, tree, what: str):
+        """Floating-point tensors in ``tree`` to ``param_dtype`` (FSDP2's cast_forward_inputs)."""
+        if self.param_dtype is None:
+            return tree
+        _leaves(tree, what)
+        return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, tree)
 
     def _post_forward(self, groups):
         def hook(module, args, output):
             for g in groups:
                 g.free()
-            self._register_pre_backward(output, groups)
+            self._register_pre_backward(output, groups, f"the output of unit '{groups[0].unit}'")
         return hook
 
-    def _register_pre_backward(self, output, groups) -> None:
-        tensors = [t for t in _flatten(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not tensors:
-            return
+    def _register_pre_backward(self, output, groups, what: str) -> None:
+        leaves = [output] if isinstance(output, torch.Tensor) else _leaves(output, what)  # the usual case: fast
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
         def pre_backward(grad):
-            if not self._backward_started:  # once per backward: free everything at its end
+            if not self._backward_started:  # once per backward: finish everything at its end
                 self._backward_started = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             for g in groups:
@@ -192,26 +203,47 @@ class FSDP(nn.Module):
         self._backward_started = False
         for g in self.flat_groups:
             g.free()
+        self.finish_gradient_synchronization()
 
     # --------------------------------------------------------------- public
     def forward(self, *args, **kwargs):
+        self._backward_started = False  # a backward that failed half-way may have left it set
         root = self._units[0][2]
         for g in root:
             g.gather()
         self._ran = set()  # units entered during this forward
         try:
-            out = self.module(*self._cast(args), **self._cast(kwargs))
+            args, kwargs = self._cast((args, kwargs), "the input")
+            out = self.module(*args, **kwargs)
         finally:
             self._ran = None
         for g in root:
             g.free()
-        self._register_pre_backward(out, root)
+        self._register_pre_backward(out, root, "the output")
         return out
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the reduce-scatters; each shard's ``.grad`` gets its averaged slice."""
+        """Wait for the reduce-scatters (the end-of-backward callback does it); outside ``no_sync``,
+        reduce-scatter what backward passes inside it accumulated. A no-op when nothing is pending."""
         for g in self.flat_groups:
             g.finish()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch: False keeps full gradients and adds them up locally (no communication)."""
+        for g in self.flat_groups:
+            g.reduce_grads = bool(requires_gradient_sync)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate full gradients locally; the next synchronised
+        backward (or ``finish_gradient_synchronization()`` outside) reduce-scatters the sum."""
+        previous = [g.reduce_grads for g in self.flat_groups]
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for g, p in zip(self.flat_groups, previous):
+                g.reduce_grads = p
 
     @torch.no_grad()
     def gather_full_params(self) -> Dict[str, torch.Tensor]:
@@ -219,20 +251,52 @@ class FSDP(nn.Module):
         out: Dict[str, torch.Tensor] = {}
         for g in self.flat_groups:
             full = torch.empty(g.padded, dtype=g.shard.dtype, device=g.shard.device)
-            _all_gather(full, g.shard.detach(), group=self.group)
+            self._comm.all_gather(full, g.shard.detach())
             for name, shape, off in zip(g.names, g.shapes, g.offsets):
                 value = full[off: off + shape.numel()].view(shape).clone()
                 for alias in self._aliases[name]:
                     out[alias] = value
         return out
 
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False, *, rank0_only: bool = False):
+        """The plain module's state dict: full weights and buffers, its names, its order. A collective;
+        with ``rank0_only`` the other ranks get an empty dict."""
+        full = {**self.gather_full_params(), **self.module.state_dict()}  # the module holds only buffers now
+        out = {} if destination is None else destination
+        if not rank0_only or self.rank == 0:
+            for k in self._state_keys:
+                out[prefix + k] = full[k]
+        return out
 
-def _flatten(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _flatten(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _flatten(o)
+    @torch.no_grad()
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load full weights (a plain module's state dict): each rank keeps its shards' slices."""
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._state_keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for FSDP({type(self.module).__name__}): "
+                               f"missing keys {missing}, unexpected keys {unexpected}")
+        for g in self.flat_groups:
+            if any(n not in state_dict for n in g.names):
+                continue  # missing (strict=False): keep the current values
+            full = torch.zeros(g.padded, dtype=g.shard.dtype, device=g.shard.device)
+            for name, shape, off in zip(g.names, g.shapes, g.offsets):
+                full[off: off + shape.numel()] = state_dict[name].reshape(-1)
+            lo = self.rank * g.shard_numel
+            g.shard.copy_(full[lo: lo + g.shard_numel])
+        buffers = {k: v for k, v in state_dict.items() if k in self.module.state_dict()}
+        self.module.load_state_dict(buffers, strict=False)
+        return _IncompatibleKeys(missing, unexpected)
+
+
+def _leaves(tree, what: str) -> list:
+    """The leaves of a nested structure, by ``torch.utils._pytree``; a dataclass it cannot
+    look into is an error (its tensors would be missed), not a silent leaf."""
+    leaves = tree_leaves(tree)
+    for leaf in leaves:
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            name = type(leaf).__name__
+            raise TypeError(f"FSDP: {what} holds a {name} dataclass, which torch.utils._pytree cannot look into, "
+                            f"so its tensors would be missed. Register it once: "
+                            f"torch.utils._pytree.register_dataclass({name})")
+    return leaves

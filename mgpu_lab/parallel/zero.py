@@ -21,25 +21,33 @@ Communication per step: the all-reduce (2Ψ·(N-1)/N sent per rank) plus Ψ·(N-
 for the broadcasts; the ZeRO paper gets 2Ψ in total by replacing the all-reduce
 with a reduce-scatter (ZeRO-2, each rank only needs its own gradients).
 
-``ShardedOptimizer`` is a ``torch.optim.Optimizer``: ``param_groups`` lists every
-parameter (an lr scheduler changes them as usual; they are copied into the local
-optimizer before each step), ``state`` holds the state of this rank's parameters
-only, ``zero_grad``, ``add_param_group``. ``state_dict()`` is a collective (call
-it on every rank): it returns the state dict the *unsharded* ``optimizer_cls``
-would have (global parameter indices), so it loads into either; ``load_state_dict``
-takes that full dict and keeps this rank's part.
+``ShardedOptimizer`` behaves as torch's ``ZeroRedundancyOptimizer``: it is a
+``torch.optim.Optimizer`` whose ``param_groups`` list every parameter and carry
+every hyper-parameter of the wrapped optimizer (its defaults included, so an LR
+scheduler works without an explicit ``lr``); they are copied into the local
+optimizer before each step and back after it (what the local optimizer writes
+becomes visible). ``state`` holds the state of this rank's parameters only.
+``step(closure=None, **kwargs)`` passes both on. For checkpoints, as torch:
+``consolidate_state_dict(to=0)`` on every rank, then ``state_dict()`` on rank 0
+(no communication); without it, ``state_dict()`` is a collective that every
+rank calls and every rank gets. Either way it is the state dict the *unsharded*
+``optimizer_class`` would have (global parameter indices, the current
+hyper-parameters), so it loads into either; ``load_state_dict`` takes that full
+dict and keeps this rank's part.
 
-Partitioning: parameters that require grad at construction are assigned greedily,
-largest first, to the rank with the fewest bytes so far (ties: lowest rank, then
-registration order), the same on every rank. Frozen parameters are owned by no
-one and never sent. A tied parameter is one tensor: it appears once.
+Partitioning (torch's): every parameter, frozen or not (one unfrozen later is
+then updated by its owner), group by group, largest first, to the rank with the
+fewest bytes so far (ties: lowest rank, then registration order), the same on
+every rank. A tied parameter is one tensor: it appears once. Only parameters
+that require grad are sent after a step.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Type
+from typing import Any, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def partition_parameters(sizes: Sequence[int], world_size: int) -> List[List[int]]:
@@ -59,8 +67,13 @@ def partition_parameters(sizes: Sequence[int], world_size: int) -> List[List[int
     return [sorted(o) for o in owned]
 
 
+def _copy_hyperparameters(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) -> None:
+    for s, d in zip(src, dst):
+        d.update({k: v for k, v in s.items() if k != "params"})
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1: ``optimizer_cls(**kwargs)`` over this rank's shard of ``params``.
+    """ZeRO-1: ``optimizer_class(**defaults)`` over this rank's shard of ``params``.
 
     Call ``step()`` after the gradients are averaged across ranks; every rank
     then holds the same parameters as an unsharded optimizer would give.
@@ -68,43 +81,52 @@ class ShardedOptimizer(torch.optim.Optimizer):
     per rank) and a flat copy of the largest shard as scratch.
     """
 
-    def __init__(self, params, optimizer_cls: Type[torch.optim.Optimizer], group=None, **kwargs: Any):
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer class (e.g. torch.optim.AdamW), "
-                            f"got {optimizer_cls!r}")
+    def __init__(self, params, optimizer_class: Optional[Type[torch.optim.Optimizer]] = None, group=None, *,
+                 optimizer_cls: Optional[Type[torch.optim.Optimizer]] = None, **defaults: Any):
+        if optimizer_cls is not None:  # the old name
+            if optimizer_class is not None:
+                raise TypeError("give optimizer_class (optimizer_cls is its old name), not both")
+            optimizer_class = optimizer_cls
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError("optimizer_class (or optimizer_cls) must be a torch.optim.Optimizer class "
+                            f"(e.g. torch.optim.AdamW), got {optimizer_class!r}")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: build the optimizer inside "
                                "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.optimizer_cls = optimizer_cls
+        self.optimizer_class = self.optimizer_cls = optimizer_class
         self._owner: Dict[torch.Tensor, int] = {}   # parameter -> owning rank (in group)
         self._loads = [0] * self.world_size
         self._local = None
-        super().__init__(params, defaults=kwargs)
-        local_groups = [self._local_group(g) for g in self.param_groups]
-        self._local = optimizer_cls(local_groups, **kwargs)
+        self._consolidated: Optional[Dict[int, Any]] = None  # full state, on the rank it was consolidated to
+        self._consolidated_to: Optional[int] = None
+        super().__init__(params, defaults=defaults)
+        self._local = optimizer_class([self._local_group(g) for g in self.param_groups], **defaults)
+        self.defaults = self._local.defaults  # every hyper-parameter, for groups added later
+        _copy_hyperparameters(self._local.param_groups, self.param_groups)
         self.state = self._local.state  # this rank's parameters only
 
     # ------------------------------------------------------------------ partition
     def _assign(self, params: List[torch.Tensor]) -> None:
-        trainable = [p for p in params if p.requires_grad and p not in self._owner]
-        sizes = [p.numel() * p.element_size() for p in trainable]
-        for i in sorted(range(len(trainable)), key=lambda i: (-sizes[i], i)):
+        new = [p for p in params if p not in self._owner]
+        sizes = [p.numel() * p.element_size() for p in new]
+        for i in sorted(range(len(new)), key=lambda i: (-sizes[i], i)):
             r = min(range(self.world_size), key=lambda r: (self._loads[r], r))
-            self._owner[trainable[i]] = r
+            self._owner[new[i]] = r
             self._loads[r] += sizes[i]
 
     def _local_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
         self._assign(group["params"])
         local = {k: v for k, v in group.items() if k != "params"}
-        local["params"] = [p for p in group["params"] if self._owner.get(p) == self.rank]
+        local["params"] = [p for p in group["params"] if self._owner[p] == self.rank]
         return local
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
         if self._local is not None:  # after construction: partition the new group too
             self._local.add_param_group(self._local_group(self.param_groups[-1]))
+            _copy_hyperparameters(self._local.param_groups[-1:], self.param_groups[-1:])
 
     @property
     def partition(self) -> List[List[torch.Tensor]]:
@@ -112,50 +134,42 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out: List[List[torch.Tensor]] = [[] for _ in range(self.world_size)]
         for g in self.param_groups:
             for p in g["params"]:
-                if p in self._owner:
-                    out[self._owner[p]].append(p)
+                out[self._owner[p]].append(p)
         return out
 
     @property
     def local_optimizer(self) -> torch.optim.Optimizer:
-        """The ``optimizer_cls`` instance over this rank's shard."""
+        """The ``optimizer_class`` instance over this rank's shard."""
         return self._local
 
     # ------------------------------------------------------------------ step
-    def _sync_hyperparameters(self) -> None:
-        for g, lg in zip(self.param_groups, self._local.param_groups):
-            for k, v in g.items():
-                if k != "params":
-                    lg[k] = v
-
     @torch.no_grad()
     def _share_parameters(self) -> None:
         """Each owner broadcasts its updated parameters, packed in one flat buffer."""
         for r, params in enumerate(self.partition):
+            params = [p for p in params if p.requires_grad]
             if not params:
                 continue
             src = r if self.group is None else dist.get_global_rank(self.group, r)
-            if r == self.rank:
-                flat = torch.cat([p.detach().reshape(-1) for p in params])
-            else:
-                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                   device=params[0].device)
-            if any(p.dtype != flat.dtype or p.device != flat.device for p in params):
+            if any(p.dtype != params[0].dtype or p.device != params[0].device for p in params):
                 for p in params:  # mixed dtypes/devices: one message per parameter
                     dist.broadcast(p.detach(), src=src, group=self.group)
                 continue
+            flat = (_flatten_dense_tensors([p.detach() for p in params]) if r == self.rank else
+                    torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device))
             dist.broadcast(flat, src=src, group=self.group)
             if r != self.rank:
-                offset = 0
-                for p in params:
-                    p.copy_(flat[offset: offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                for p, value in zip(params, _unflatten_dense_tensors(flat, params)):
+                    p.copy_(value)
 
-    def step(self, closure=None):
-        """Step this rank's shard, then share the updated parameters with every rank."""
-        self._sync_hyperparameters()
-        loss = self._local.step(closure) if closure is not None else self._local.step()
+    def step(self, closure=None, **kwargs):
+        """Step this rank's shard (``closure`` and keyword arguments passed on), then share the
+        updated parameters with every rank."""
+        _copy_hyperparameters(self.param_groups, self._local.param_groups)
+        loss = self._local.step(**kwargs) if closure is None else self._local.step(closure, **kwargs)
+        _copy_hyperparameters(self._local.param_groups, self.param_groups)
         self._share_parameters()
+        self._consolidated = self._consolidated_to = None
         return loss
 
     # ------------------------------------------------------------------ state dict
@@ -166,22 +180,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 index[p] = len(index)
         return index
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The full (unsharded) optimizer state dict. A collective: call it on every rank."""
+    def _local_state(self) -> Dict[int, Any]:
+        """This rank's optimizer state, by global parameter index."""
         index = self._global_index()
-        local_sd = self._local.state_dict()
         local_params = [p for lg in self._local.param_groups for p in lg["params"]]
-        mine = {index[local_params[i]]: s for i, s in local_sd["state"].items()}
-        gathered: List[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine, group=self.group)
-        state = {}
-        for part in gathered:
-            state.update(part)
-        groups = []
-        for g, lg in zip(self.param_groups, local_sd["param_groups"]):
-            full = {k: v for k, v in lg.items() if k != "params"}
-            full["params"] = [index[p] for p in g["params"]]
-            groups.append(full)
+        return {index[local_params[i]]: s for i, s in self._local.state_dict()["state"].items()}
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's part of the optimizer state on rank ``to`` (every rank calls it);
+        then call ``state_dict()`` there."""
+        parts: Optional[List[Any]] = [None] * self.world_size if self.rank == to else None
+        dst = to if self.group is None else dist.get_global_rank(self.group, to)
+        dist.gather_object(self._local_state(), parts, dst=dst, group=self.group)
+        self._consolidated = {i: s for part in parts for i, s in part.items()} if parts is not None else None
+        self._consolidated_to = to
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The full (unsharded) optimizer state dict. After ``consolidate_state_dict(to)``: on rank
+        ``to`` only, no communication; otherwise a collective: call it on every rank."""
+        state = self._consolidated
+        if state is None:
+            if self._consolidated_to is not None:
+                raise RuntimeError(f"the state was consolidated on rank {self._consolidated_to} "
+                                   f"(consolidate_state_dict(to={self._consolidated_to})): call state_dict() there")
+            parts: List[Any] = [None] * self.world_size
+            dist.all_gather_object(parts, self._local_state(), group=self.group)
+            state = {i: s for part in parts for i, s in part.items()}
+        index = self._global_index()
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+                  for g in self.param_groups]
         return {"state": {i: state[i] for i in sorted(state)}, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -193,12 +220,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "(build it over the same parameters, in the same groups and order)")
         local_state, local_groups, j = {}, [], 0
         for g, sg in zip(self.param_groups, groups):
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = v
+            g.update({k: v for k, v in sg.items() if k != "params"})
             ids = []
             for p, i in zip(g["params"], sg["params"]):
-                if self._owner.get(p) == self.rank:
+                if self._owner[p] == self.rank:
                     if i in state_dict["state"]:
                         local_state[j] = state_dict["state"][i]
                     ids.append(j)
@@ -206,3 +231,4 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local_groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": ids})
         self._local.load_state_dict({"state": local_state, "param_groups": local_groups})
         self.state = self._local.state
+        self._consolidated = self._consolidated_to = None

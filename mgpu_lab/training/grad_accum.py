@@ -29,17 +29,24 @@ Usage::
 
 Under data parallelism (torch's ``DistributedDataParallel``, or mgpu_lab's
 ``NaiveDDP``/``BucketedDDP``) the gradients should cross the network once per
-window, not once per micro-batch: ``micro_step()`` enters ``model.no_sync()``
-for every micro-batch but the last of a window. Wrap the *forward* in it too:
+window, not once per micro-batch: ``micro_step()`` enters ``no_sync()`` for
+every micro-batch but the last of a window. Wrap the *forward* in it too:
 torch DDP decides in forward whether the coming backward all-reduces. A window
 that ends by ``flush()`` (its last micro-batch ran inside ``no_sync``) is
-all-reduced by hand, once, in one flat message per dtype. ``micro_step(last=True)``
-closes a window early when the loop knows a micro-batch is the last. Used without
-``micro_step()``, the numbers are the same (averaging is linear) but every
-micro-step all-reduces. N is the *global* count: one extra all-reduce of one
-number per window. DDP averages gradients over the W ranks, so the factor
-applied is W / N. Every rank must run the same number of micro-steps and call
-``flush()`` together (they are collectives).
+all-reduced by hand, once (one flat message per dtype for torch DDP).
+``micro_step(last=True)`` closes a window early when the loop knows a
+micro-batch is the last. Used without ``micro_step()``, the numbers are the same
+(averaging is linear) but every micro-step all-reduces. Sharded models
+(mgpu_lab's ``FSDP``, torch's ``fully_shard``) reduce-scatter every micro-batch
+and their gradient shards add up: ``no_sync`` would keep a full gradient on
+every rank, the memory sharding exists to save (DeepSpeed refuses ``no_sync``
+under ZeRO-2/3 for this reason). How each wrapper is told apart and spoken to:
+:mod:`mgpu_lab.parallel.wrappers` (an unknown wrapper is an error). N is the
+*global* count: one extra all-reduce of one number per window. The ranks
+average gradients over the W ranks, so the factor applied is W / N; clipping
+(``max_grad_norm``) uses the norm of the whole gradient, over all shards.
+Every rank must run the same number of micro-steps and call ``flush()``
+together (they are collectives).
 
 With a loss scaler (the ``torch.amp.GradScaler`` API: ``scale``, ``unscale_``,
 ``step``, ``update``, ``get_scale``; ``mgpu_lab.LossScaler`` has it too) every
@@ -62,15 +69,8 @@ from typing import Iterator, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-
-def _ddp_kind(model: nn.Module) -> Optional[str]:
-    if isinstance(model, DistributedDataParallel):
-        return "torch"
-    if callable(getattr(model, "finish_gradient_synchronization", None)) and callable(getattr(model, "no_sync", None)):
-        return "mgpu"  # NaiveDDP, BucketedDDP (duck-typed)
-    return None
+from ..parallel import wrappers
 
 
 class GradientAccumulator:
@@ -100,15 +100,10 @@ class GradientAccumulator:
                 raise TypeError(f"scaler lacks {missing}: pass a torch.amp.GradScaler or mgpu_lab.LossScaler")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.accumulation_steps, self.max_grad_norm = accumulation_steps, max_grad_norm
-        self._kind = _ddp_kind(model)
-        self._group = None
-        self.world_size = 1
-        if self._kind == "torch":
-            self._group = model.process_group
-            self.world_size = dist.get_world_size(self._group)
-        elif self._kind == "mgpu":
-            self._group = getattr(model, "group", None)
-            self.world_size = dist.get_world_size(self._group)
+        self._kind = wrappers.wrapper_kind(model)  # a TypeError for a wrapper it does not know
+        self._group = wrappers.process_group(model)
+        self.world_size = wrappers.world_size(model)
+        self._uses_no_sync = self._kind in ("torch_ddp", "ddp")  # sharded ones reduce every micro-batch
         self._params: List[nn.Parameter] = [p for p in model.parameters() if p.requires_grad]
         self._micro = 0          # micro-steps done in the current window
         self._count = 0          # local items in the current window (int, float or tensor)
@@ -128,16 +123,16 @@ class GradientAccumulator:
     def micro_step(self, last: bool = False) -> Iterator["GradientAccumulator"]:
         """Wrap one micro-batch's forward and backward.
 
-        Under DDP it enters ``model.no_sync()`` unless this micro-batch ends the
+        Under DDP it enters ``no_sync()`` unless this micro-batch ends the
         window (the k-th, or ``last=True``), so gradients are communicated once
-        per window. Without DDP it only records ``last``.
+        per window. Otherwise (one process, sharded models) it only records ``last``.
         """
         if self._ctx is not None:
             raise RuntimeError("micro_step() is already open: one micro-batch at a time")
         closes = bool(last) or self._micro + 1 >= self.accumulation_steps
-        self._ctx = {"sync": closes or self._kind is None, "last": bool(last), "backward": False}
+        self._ctx = {"sync": closes or not self._uses_no_sync, "last": bool(last), "backward": False}
         try:
-            with (self.model.no_sync() if self._kind and not closes else nullcontext()):
+            with (wrappers.no_sync(self.model) if not self._ctx["sync"] else nullcontext()):
                 yield self
         finally:
             self._ctx = None
@@ -172,14 +167,11 @@ class GradientAccumulator:
         self._micro += 1
         self._count = self._count + num_samples
 
-        if self._kind is not None:
-            if self._kind == "torch":   # torch DDP decided in forward
-                synced = self._ctx["sync"] if self._ctx is not None else self.model.require_backward_grad_sync
-            else:                       # ours decide in backward
-                synced = self.model.require_backward_grad_sync
-                if synced:
-                    self.model.finish_gradient_synchronization()
+        if self._kind == "torch_ddp":   # torch DDP decided in forward
+            synced = self._ctx["sync"] if self._ctx is not None else self.model.require_backward_grad_sync
             self._unsynced = not synced
+        elif self._kind in ("ddp", "fsdp"):  # they finish with backward and know what is left
+            self._unsynced = True
         if self._micro >= self.accumulation_steps or (self._ctx is not None and self._ctx["last"]):
             return self._step()
         return False
@@ -198,28 +190,8 @@ class GradientAccumulator:
 
     # -- the once-per-window part --------------------------------------------
 
-    @torch.no_grad()
-    def _sync_by_hand(self) -> None:
-        """All-reduce (average) the window's gradients once, one flat message per dtype."""
-        if self._kind == "mgpu":
-            self.model.finish_gradient_synchronization()  # launches the buckets not yet sent
-            return
-        groups = {}
-        for p in self._params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-        for grads in groups.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self._group)   # bounded by the process group's timeout
-            flat.div_(self.world_size)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
-                offset += g.numel()
-
     def _global_count(self) -> float:
-        if self._kind is None:
+        if self._kind == "local":
             return float(self._count)
         device = self._params[0].device if self._params else torch.device("cpu")
         t = torch.as_tensor(self._count, dtype=torch.float64).reshape(1).to(device)
@@ -227,8 +199,8 @@ class GradientAccumulator:
         return t.item()
 
     def _step(self) -> bool:
-        if self._kind is not None and self._unsynced:
-            self._sync_by_hand()
+        if self._unsynced:  # the window's last backward ran under no_sync (flush), or ours: a no-op if done
+            wrappers.synchronize_gradients(self.model, self._params)
         total = self._global_count()
         if not total > 0:
             raise ValueError(f"the window holds {total} items in all: num_samples must add up to more than 0")
@@ -239,7 +211,7 @@ class GradientAccumulator:
         if grads:  # ranks averaged (W ranks) sums of items: back to the mean over N items
             torch._foreach_mul_(grads, self.world_size / total)
         if self.max_grad_norm is not None:
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+            self.last_grad_norm = wrappers.clip_grad_norm_(self.model, self._params, self.max_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -258,7 +230,7 @@ class GradientAccumulator:
         self.model.zero_grad(set_to_none=True)
 
     def __repr__(self) -> str:
-        ddp = {"torch": "torch DDP", "mgpu": type(self.model).__name__, None: "no DDP"}[self._kind]
+        ddp = "one process" if self._kind == "local" else type(self.model).__name__
         return (f"GradientAccumulator(accumulation_steps={self.accumulation_steps}, {ddp}, "
                 f"world_size={self.world_size}, "
                 f"scaler={type(self.scaler).__name__ if self.scaler is not None else None}, "

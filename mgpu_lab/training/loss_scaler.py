@@ -154,6 +154,8 @@ class LossScaler:
                         "(master weights: do not call model.half()) and let torch.autocast cast them "
                         "for the matmuls; unscaling in fp16 would lose the small gradients again.")
                 g = p.grad._values() if p.grad.is_sparse else p.grad
+                if hasattr(g, "to_local"):  # a DTensor (torch's fully_shard): this rank's shard, in place
+                    g = g.to_local()
                 groups[(g.device, g.dtype)].append(g)
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for (device, _), grads in groups.items():

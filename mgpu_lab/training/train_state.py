@@ -21,16 +21,19 @@ happened.
    ``UnsafeCheckpointError`` before any of it runs. ``save_checkpoint`` refuses to
    write such objects in the first place (store ``obj.state_dict()`` instead).
 3. **Complete**: ``TrainState`` keeps the model (without its DDP wrapper, so
-   the file loads into a plain model), the optimizer (Adam's moments), the loss
-   scaler (its scale and growth tracker), the step and the sampler's epoch, and
-   the random-number state of *every* rank (dropout draws differ per rank).
+   the file loads into a plain model; full weights gathered from FSDP or
+   ``fully_shard``), the optimizer (Adam's moments; a sharded optimizer's state
+   gathered to rank 0), the LR scheduler, the loss scaler (its scale and growth
+   tracker), the step and the sampler's epoch, and the random-number state of
+   *every* rank (dropout draws differ per rank). How each wrapper gives and
+   takes its state: :mod:`mgpu_lab.parallel.wrappers`.
    Decision: every rank's RNG state is gathered to rank 0 and stored in the one
    file (``state["rng"][rank]``), a few KiB per rank; one file is one atomic
    rename, where one file per rank could leave a mix of two steps after a crash.
 
 Typical loop (the whole pattern is ``examples/resumable_train.py``)::
 
-    state = TrainState(ddp_model, optimizer, scaler)
+    state = TrainState(ddp_model, optimizer, scaler, scheduler=scheduler)
     state.load(path)                      # resumes if the file exists, else no-op
     while state.step < total_steps:
         ...one training step...
@@ -60,6 +63,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ..parallel import wrappers
 
 _SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
                 torch.Size)
@@ -223,25 +228,29 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- resumable training
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DDP / DataParallel / our DDPs (``.module``), or the model itself."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
+    """The module whose ``state_dict()`` is the plain model's: ``.module`` of torch DDP, our DDPs
+    and DataParallel; an FSDP (its ``state_dict()`` gathers full weights) or a plain model itself.
+    A wrapper mgpu_lab does not know is a TypeError."""
+    return wrappers.unwrap(model)
 
 
 class TrainState:
     """Everything a training run needs to continue bit for bit, saved and restored together.
 
-    ``model`` may be wrapped (DDP): ``.module``'s state is saved, so the file loads
-    into a plain model. ``optimizer`` and ``scaler`` (``torch.amp.GradScaler`` or
-    ``mgpu_lab.LossScaler``) are anything with ``state_dict``/``load_state_dict``.
+    ``model`` may be wrapped (torch DDP, NaiveDDP, BucketedDDP, FSDP, ``fully_shard``):
+    the plain model's full state is saved, so the file loads into a plain model.
+    ``optimizer``, ``scaler`` (``torch.amp.GradScaler`` or ``mgpu_lab.LossScaler``)
+    and ``scheduler`` are anything with ``state_dict``/``load_state_dict``.
     ``step`` (optimizer steps done) and ``epoch`` (the sampler's epoch: pass it to
     ``set_epoch``) are yours to advance; ``extra`` holds other plain values.
-    ``state_dict()`` and ``save()`` are collectives: every rank calls them.
+    ``state_dict()`` and ``save()`` are collectives: every rank calls them; the state dict is
+    complete on rank 0, the rank that writes.
     """
 
-    def __init__(self, model: nn.Module, optimizer=None, scaler=None, step: int = 0, epoch: int = 0):
-        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+    def __init__(self, model: nn.Module, optimizer=None, scaler=None, step: int = 0, epoch: int = 0,
+                 scheduler=None):
+        wrappers.wrapper_kind(model)  # an unknown wrapper: a TypeError now, not a wrong checkpoint later
+        self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
         self.step, self.epoch = step, epoch
         self.extra: Dict[str, Any] = {}
         self._loaded_rng: Optional[List[Dict[str, Any]]] = None
@@ -253,10 +262,12 @@ class TrainState:
             dist.gather_object(rng_state(), rngs if rank == 0 else None, dst=0)
         else:
             rngs = [rng_state()]
-        state = {"model": unwrap(self.model).state_dict(), "step": self.step, "epoch": self.epoch,
-                 "world_size": world, "rng": rngs, "extra": dict(self.extra)}
-        if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+        state = {"model": wrappers.model_state_dict(self.model, rank0_only=True), "step": self.step,
+                 "epoch": self.epoch, "world_size": world, "rng": rngs, "extra": dict(self.extra)}
+        if self.optimizer is not None:  # complete on rank 0 (the one that writes)
+            state["optimizer"] = wrappers.optimizer_state_dict(self.model, self.optimizer)
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
@@ -270,12 +281,15 @@ class TrainState:
         if not os.path.exists(path):
             return False
         state = load_checkpoint(path, map_location=map_location)
-        unwrap(self.model).load_state_dict(state["model"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])  # moves its state to the params' device
+        wrappers.load_model_state_dict(self.model, state["model"])
+        if self.optimizer is not None:  # moves its state to the params' device
+            wrappers.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        for name, part in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if part is not None and name not in state:
+                raise KeyError(f"{path} has no {name} state, but this TrainState has a {name}")
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None:
-            if "scaler" not in state:
-                raise KeyError(f"{path} has no loss-scaler state, but this TrainState has a scaler")
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.extra = dict(state.get("extra", {}))
