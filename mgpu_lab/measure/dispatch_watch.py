@@ -1,0 +1,123 @@
+"""Watching code from below the Python API: which collectives it issued, what it left alive.
+
+Both instruments are ``TorchDispatchMode``s: every ATen operator the code runs
+passes through them while they are active, whichever Python function issued it
+(``dist.all_reduce``, ``dist.all_gather_single``, a ``ProcessGroup`` method,
+``torch.distributed._functional_collectives``, FSDP's internals). The code under
+watch needs no change and cannot skip them by calling another spelling of the
+same collective.
+
+* ``CollectiveLog`` records each collective as ``(kind, dtype, numel)``, kind one of
+  ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"broadcast"``... (the
+  largest tensor of the call gives dtype and numel: for the list forms, ``dist.all_gather``
+  and ``dist.reduce_scatter``, one element of the list), and with ``compute=True`` a
+  ``("compute",)`` entry for each matrix product, so that the order of
+  communication and computation can be read (prefetching)::
+
+      with CollectiveLog() as log:
+          loss.backward()
+      log.kinds()            # ['all-gather', 'reduce-scatter', ...]
+
+* ``KeptAlive`` keeps a weak reference to every tensor an operator creates while
+  it is active; ``kept(min_bytes)`` lists the storages of at least ``min_bytes``
+  that are still referenced afterwards (saved for backward, stashed in a global,
+  cached on an object). A tensor whose storage was freed
+  (``untyped_storage().resize_(0)``, as FSDP does) counts for nothing.
+
+Cost: one Python call per operator while active (use them on small checks).
+Limits: work that never reaches the dispatcher (a TCPStore, a pipe, C++ code
+holding tensors it did not get from an operator) is not seen.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import List, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+KINDS = {
+    "_allgather_base_": "all-gather", "allgather_": "all-gather", "allgather_coalesced_": "all-gather",
+    "allgather_into_tensor_coalesced_": "all-gather", "all_gather_into_tensor": "all-gather",
+    "all_gather_into_tensor_coalesced": "all-gather",
+    "_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_": "reduce-scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
+    "reduce_scatter_tensor_coalesced": "reduce-scatter",
+    "allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce", "all_reduce": "all-reduce",
+    "all_reduce_coalesced": "all-reduce",
+    "broadcast_": "broadcast", "broadcast": "broadcast", "reduce_": "reduce", "gather_": "gather",
+    "scatter_": "scatter", "alltoall_": "all-to-all", "alltoall_base_": "all-to-all", "all_to_all_single": "all-to-all",
+}
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+COMPUTE = ("mm", "addmm", "bmm", "baddbmm")
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Records the collectives run while active: ``events`` is a list of ``(kind, dtype, numel)``
+    (and ``("compute",)`` for each matrix product when ``compute=True``)."""
+
+    def __init__(self, compute: bool = False):
+        super().__init__()
+        self.compute = compute
+        self.events: List[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._opname
+        if func.namespace in COLLECTIVE_NAMESPACES:
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if tensors:  # wait_tensor and friends carry the tensor of a call already recorded
+                big = max(tensors, key=lambda t: t.numel())
+                if name in KINDS:
+                    self.events.append((KINDS[name], str(big.dtype).replace("torch.", ""), big.numel()))
+        elif self.compute and name in COMPUTE:
+            self.events.append(("compute",))
+        return func(*args, **kwargs)
+
+    def kinds(self) -> List[str]:
+        """The kinds of the collectives, in order (compute entries left out)."""
+        return [e[0] for e in self.events if e[0] != "compute"]
+
+    def wire_bytes(self, world_size: int) -> dict:
+        """``{(kind, dtype): bytes}`` one rank sends over a ring: (N-1)/N of each collective's
+        largest tensor (an all-reduce twice that)."""
+        out: dict = {}
+        for e in self.events:
+            if e[0] == "compute":
+                continue
+            kind, dtype, numel = e
+            size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+            sent = (world_size - 1) * numel * size // world_size * (2 if kind == "all-reduce" else 1)
+            out[(kind, dtype)] = out.get((kind, dtype), 0) + sent
+        return out
+
+
+class KeptAlive(TorchDispatchMode):
+    """Weak references to every tensor created while active; ``kept(min_bytes)`` after."""
+
+    def __init__(self):
+        super().__init__()
+        self._refs: List[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._refs.append(weakref.ref(t))
+        return out
+
+    def kept(self, min_bytes: int = 1) -> List[Tuple[Tuple[int, ...], int]]:
+        """``[(shape, storage bytes)]`` of the created tensors still referenced whose storage
+        holds at least ``min_bytes`` (one entry per storage)."""
+        gc.collect()
+        seen = {}
+        for ref in self._refs:
+            t = ref()
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() >= min_bytes and storage.data_ptr() not in seen:
+                seen[storage.data_ptr()] = (tuple(t.shape), storage.nbytes())
+        return list(seen.values())

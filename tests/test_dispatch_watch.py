@@ -1,0 +1,59 @@
+"""CollectiveLog and KeptAlive (mgpu_lab.measure.dispatch_watch): the collectives issued, what stays alive."""
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from mgpu_lab import launch
+from mgpu_lab.measure.dispatch_watch import CollectiveLog, KeptAlive
+
+
+def _every_spelling():
+    rank = dist.get_rank()
+    t = torch.ones(6) * (rank + 1)
+    out, full = torch.empty(3), torch.empty(12)
+    with CollectiveLog(compute=True) as log:
+        dist.all_reduce(t)
+        dist.all_gather_single(full, t)
+        dist.reduce_scatter_single(out, t)
+        dist.broadcast(t, 0)
+        dist.all_reduce(t.double(), async_op=True).wait()
+        dist.all_gather([torch.empty(6), torch.empty(6)], t)
+        dist.reduce_scatter(out, [t[:3].clone(), t[3:].clone()])
+        funcol.all_reduce(t, "sum", dist.group.WORLD).wait()
+        torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+    outside = torch.empty(6)
+    dist.all_reduce(outside)                      # not recorded: the log is closed
+    return log.events, log.kinds(), log.wire_bytes(dist.get_world_size())
+
+
+def test_collective_log_sees_every_spelling_with_dtype_and_size():
+    events, kinds, wire = launch(_every_spelling, nprocs=2)[0]
+    assert kinds == ["all-reduce", "all-gather", "reduce-scatter", "broadcast", "all-reduce", "all-gather",
+                     "reduce-scatter", "all-reduce"]
+    assert events[0] == ("all-reduce", "float32", 6)
+    assert events[1] == ("all-gather", "float32", 12)      # the largest tensor of the call: the output
+    assert events[4] == ("all-reduce", "float64", 6)
+    assert events[-1] == ("compute",)
+    # a ring sends (N-1)/N of the largest tensor per rank (an all-reduce twice that); the list form of
+    # all_gather counts one element of its list
+    assert wire[("all-gather", "float32")] == 12 * 4 // 2 + 6 * 4 // 2
+    assert wire[("all-reduce", "float64")] == 2 * 6 * 8 // 2
+
+
+def _stash_one():
+    keep = []
+    with KeptAlive() as watch:
+        a = torch.ones(100)            # 400 bytes, kept
+        keep.append(a * 2)
+        b = torch.ones(100) + 1        # dropped below
+        view = torch.ones(50)[:2]      # a 2-number view keeps its 200-byte storage alive
+        freed = torch.ones(100) * 3
+        freed.untyped_storage().resize_(0)
+        del b
+    kept = sorted(watch.kept(min_bytes=200))
+    return kept, keep, view, freed
+
+
+def test_kept_alive_finds_what_is_referenced_not_what_was_freed():
+    kept, *_ = _stash_one()
+    assert kept == sorted([((100,), 400), ((100,), 400), ((50,), 200)])  # a, a * 2, the view's base
