@@ -291,6 +291,48 @@ def test_amp_step_is_the_gradscaler_recipe():
             assert torch.equal(p1, p2)
 
 
+def test_amp_step_with_two_optimizers_is_the_gradscaler_recipe():
+    """A list of optimizers: each unscaled, the norm of all their gradients clipped together,
+    each stepped (and skipped on its own inf), the scaler updated once, bit for bit the recipe
+    of torch's AMP examples. The inputs' first column is large, so at some steps only the last
+    layer's gradients overflow: one optimizer steps while the other skips."""
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(64, 6, generator=g) * torch.tensor([300.0] + [1.0] * 5), torch.randn(64, 4, generator=g))
+               for _ in range(16)]
+    runs, split_decisions = [], 0
+    for by_hand in (True, False):
+        model = mlp(seed=2)
+        opts = [torch.optim.SGD(model[0].parameters(), lr=0.05, momentum=0.9),
+                torch.optim.AdamW(model[2].parameters(), lr=0.01)]
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+        log = []
+        for x, y in batches:
+            before = [p.detach().clone() for p in model.parameters()]
+            if by_hand:
+                for o in opts:
+                    o.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.mse_loss(model(x), y)
+                scaler.scale(loss).backward()
+                for o in opts:
+                    scaler.unscale_(o)
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                for o in opts:
+                    scaler.step(o)
+                scaler.update()
+            else:
+                loss = amp_step(model, opts, nn.functional.mse_loss, (x, y), scaler=scaler,
+                                dtype=torch.float16, max_grad_norm=1.0)
+            moved = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+            split_decisions += moved[0] != moved[2]
+            log.append((loss.item(), scaler.get_scale(), [p.detach().clone() for p in model.parameters()]))
+        runs.append(log)
+    assert split_decisions >= 2, "the case must make one optimizer skip while the other steps"
+    for (l1, s1, p1), (l2, s2, p2) in zip(*runs):
+        assert l1 == l2 and s1 == s2
+        assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+
+
 def _one_rank_overflows(sync):
     """No gradient all-reduce here: only the scaler's flag connects the ranks."""
     rank = dist.get_rank()

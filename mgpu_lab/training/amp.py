@@ -20,7 +20,7 @@ own loops.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -57,9 +57,9 @@ def autocast_dtype(device: Union[str, int, torch.device]) -> torch.dtype:
 
 
 
-def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, batch,
-             scaler: Optional[LossScaler] = None, dtype: Optional[torch.dtype] = None,
-             max_grad_norm: Optional[float] = None) -> torch.Tensor:
+def amp_step(model: nn.Module, optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+             loss_fn: Callable, batch, scaler: Optional[LossScaler] = None,
+             dtype: Optional[torch.dtype] = None, max_grad_norm: Optional[float] = None) -> torch.Tensor:
     """One mixed-precision training step; returns the (unscaled, detached) loss.
 
     ``batch`` is ``(inputs, targets)``; ``inputs`` may be a tuple of model
@@ -69,27 +69,37 @@ def amp_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callab
     scaled loss, unscale, clip to ``max_grad_norm`` (if given), step (skipped on
     inf/NaN), update. ``scaler`` may be None (bf16, fp32) or any object with
     GradScaler's API (a :class:`LossScaler` or a ``torch.amp.GradScaler``).
+    ``optimizer`` may be a list of optimizers (parts of the model with optimizers
+    of their own): each is unscaled and stepped, each skips its step on its own
+    inf/NaN (GradScaler's per-optimizer decision), the norm clipped is the norm
+    of all their gradients together, and the scaler is updated once.
     Nothing here waits for the device except the scaler's ``step``.
     """
     inputs, targets = batch
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     device = next(model.parameters()).device
     dtype = autocast_dtype(device) if dtype is None else dtype
     ctx = (nullcontext() if dtype == torch.float32
            else torch.autocast(device.type, dtype=dtype))
-    optimizer.zero_grad(set_to_none=True)
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
     with ctx:
         out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
         loss = loss_fn(out, targets)
     if scaler is None:
         loss.backward()
         if max_grad_norm is not None:
-            nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
-        optimizer.step()
+            nn.utils.clip_grad_norm_(params, max_grad_norm)
+        for opt in optimizers:
+            opt.step()
     else:
         scaler.scale(loss).backward()
         if max_grad_norm is not None:
-            scaler.unscale_(optimizer)
-            nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_grad_norm)
-        scaler.step(optimizer)
+            for opt in optimizers:
+                scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(params, max_grad_norm)
+        for opt in optimizers:
+            scaler.step(opt)
         scaler.update()
     return loss.detach()
