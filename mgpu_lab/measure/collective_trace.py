@@ -3,12 +3,14 @@
 Collectives must be called by every rank, in the same order, with matching
 shapes and dtypes. When a rank skips one (``if rank == 0: dist.all_reduce(x)``)
 or sends another shape, the others wait forever (or until the process group's
-timeout, 10 minutes by default) and the error says only "timed out". PyTorch
-helps in two ways: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (set before the group is
-made) checks each collective's type and shapes across ranks before running it,
-and a stack dump (``launch`` prints one for ranks that hang; ``py-spy dump``
-for torchrun jobs) shows where each rank waits. What neither tells you is the
-*history*: which rank went off script, and at which call.
+timeout: 30 minutes by default on gloo, 10 on NCCL) and the error says only
+"timed out". PyTorch helps in two ways: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (set
+before the group is made) checks each collective's type and shapes across ranks
+before running it, and a stack dump (``launch`` prints one for ranks that hang;
+``py-spy dump`` for torchrun jobs) shows where each rank waits. The *history*
+(which rank went off script, and at which call) is in torch's flight recorder,
+dumped to files on an NCCL timeout and merged afterwards (``torchfrtrace``), or
+compared across ranks while they run, here.
 
 ``collective_trace`` records it. While it is active, the ``torch.distributed``
 collectives are wrapped (patched from outside: the code under test is

@@ -18,10 +18,10 @@ same collective.
           loss.backward()
       log.kinds()            # ['all-gather', 'reduce-scatter', ...]
 
-* ``KeptAlive`` keeps a weak reference to every tensor an operator creates while
-  it is active; ``kept(min_bytes)`` lists the storages of at least ``min_bytes``
-  that are still referenced afterwards (saved for backward, stashed in a global,
-  cached on an object). A tensor whose storage was freed
+* ``KeptAlive`` is :mod:`mgpu_lab.measure.kept_alive`'s recorder as a ``with`` block:
+  ``kept(min_bytes)`` lists the storages made while it was active, of at least
+  ``min_bytes``, that are still referenced afterwards (saved for backward, stashed in
+  a global, cached on an object). A storage that was freed
   (``untyped_storage().resize_(0)``, as FSDP does) counts for nothing.
 
 Cost: one Python call per operator while active (use them on small checks).
@@ -31,12 +31,13 @@ holding tensors it did not get from an operator) is not seen.
 from __future__ import annotations
 
 import gc
-import weakref
 from typing import List, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from .kept_alive import Recorder
 
 KINDS = {
     "_allgather_base_": "all-gather", "allgather_": "all-gather", "allgather_coalesced_": "all-gather",
@@ -94,30 +95,17 @@ class CollectiveLog(TorchDispatchMode):
         return out
 
 
-class KeptAlive(TorchDispatchMode):
-    """Weak references to every tensor created while active; ``kept(min_bytes)`` after."""
-
-    def __init__(self):
-        super().__init__()
-        self._refs: List[weakref.ref] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._refs.append(weakref.ref(t))
-        return out
+class KeptAlive(Recorder):
+    """:func:`mgpu_lab.measure.kept_alive.kept_alive`'s recorder as a context manager, to
+    watch a block of code rather than one call: ``kept(min_bytes)`` afterwards."""
 
     def kept(self, min_bytes: int = 1) -> List[Tuple[Tuple[int, ...], int]]:
-        """``[(shape, storage bytes)]`` of the created tensors still referenced whose storage
-        holds at least ``min_bytes`` (one entry per storage)."""
+        """``[(shape, storage bytes)]`` of the storages made while active that are still
+        referenced and hold at least ``min_bytes`` (one entry per storage)."""
         gc.collect()
-        seen = {}
-        for ref in self._refs:
-            t = ref()
-            if t is None:
-                continue
-            storage = t.untyped_storage()
-            if storage.nbytes() >= min_bytes and storage.data_ptr() not in seen:
-                seen[storage.data_ptr()] = (tuple(t.shape), storage.nbytes())
-        return list(seen.values())
+        rows = []
+        for ref, _, shape, _ in self.made.values():
+            storage = ref()
+            if storage is not None and storage.nbytes() >= min_bytes:
+                rows.append((shape, storage.nbytes()))
+        return rows
