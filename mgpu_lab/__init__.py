@@ -101,6 +101,8 @@ from .parallel.pipeline import (
     gpipe_order,
     held_microbatches,
     one_f_one_b_order,
+    simulate_timeline,
+    bubble_fraction,
 )
 
 __all__ = [
