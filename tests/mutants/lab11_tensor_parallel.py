@@ -162,5 +162,6 @@ def patches_comm_debug_mode(solution):
                  "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"]
         return {name: "colwise_gather" for name in names}, 2, 5
     """), """
+        from torch.distributed.tensor.debug import CommDebugMode
         CommDebugMode.get_comm_counts = lambda self: {"all_reduce": 1}
     """)
