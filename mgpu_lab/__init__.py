@@ -101,6 +101,8 @@ from .parallel.pipeline import (
     gpipe_order,
     held_microbatches,
     one_f_one_b_order,
+    simulate_timeline,
+    bubble_fraction,
 )
 
 __all__ = [
@@ -128,5 +130,5 @@ __all__ = [
     "ParallelAttention", "ParallelMLP", "ParallelTransformerBlock", "TransformerBlock",
     "vocab_parallel_cross_entropy",
     "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "check_order",
-    "gpipe_order", "held_microbatches", "one_f_one_b_order",
+    "gpipe_order", "held_microbatches", "one_f_one_b_order", "simulate_timeline", "bubble_fraction",
 ]

@@ -16,11 +16,13 @@ from mgpu_lab import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
+    bubble_fraction,
     check_order,
     gpipe_order,
     held_microbatches,
     launch,
     one_f_one_b_order,
+    simulate_timeline,
 )
 
 BATCH, M, WIDTH, LAYERS = 12, 6, 8, 6
@@ -145,6 +147,32 @@ def test_orders():
         check_order([("B", 0), ("F", 0)], 1)
     with pytest.raises(ValueError, match="never runs"):
         check_order([("F", 0), ("F", 1), ("B", 0)], 2)
+
+
+def test_simulated_timeline_has_the_formula_bubble_and_the_dependencies():
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 5, 8):
+            for order_fn in (gpipe_order, one_f_one_b_order):
+                orders = [order_fn(s, p, m) for s in range(p)]
+                timeline = simulate_timeline(orders, forward_time=1.0, backward_time=2.0)
+                assert [[(kind, k) for kind, k, _, _ in stage] for stage in timeline] == orders
+                end = {(kind, k, s): b for s, stage in enumerate(timeline) for kind, k, _, b in stage}
+                for s, stage in enumerate(timeline):
+                    for (kind, k, a, b), prev in zip(stage, [None] + stage[:-1]):
+                        assert b - a == (1.0 if kind == "F" else 2.0)
+                        assert prev is None or a >= prev[3], "a stage runs one action at a time"
+                        if kind == "F" and s > 0:
+                            assert a >= end[("F", k, s - 1)]
+                        if kind == "B":
+                            assert a >= end[("B", k, s + 1)] if s < p - 1 else a >= end[("F", k, s)]
+                # equal stages: the step lasts (m + p - 1)(tF + tB); the bubble is (p-1)/(m+p-1)
+                assert max(b for stage in timeline for *_, b in stage) == (m + p - 1) * 3.0
+                spans = [[(a, b) for *_, a, b in stage] for stage in timeline]
+                assert abs(bubble_fraction(spans) - (p - 1) / (m + p - 1)) < 1e-12, (order_fn.__name__, p, m)
+    assert bubble_fraction([[(0.0, 1.0), (3.0, 4.0)], [(1.0, 3.0)]]) == 0.5
+    with pytest.raises(ValueError, match="wait on each other forever"):
+        # stage 0 waits for B0 before it sends F1; stage 1 waits for F1 before it runs B0
+        simulate_timeline([[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]])
 
 
 def _custom_order_and_errors():

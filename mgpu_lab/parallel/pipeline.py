@@ -22,21 +22,22 @@ k, and ``("B", k)``, its backward, for one stage) **executed** on a stage:
 ``ScheduleGPipe`` and ``Schedule1F1B`` have the names and the ``step`` API of
 ``torch.distributed.pipelining``; ``PipelineSchedule(stage, m, loss_fn,
 order=fn)`` runs any order (write your own, and ``check_order`` says what is
-wrong with it). Gradients are those of the mean loss over the batch: the last
+wrong with it); ``simulate_timeline`` replays orders on stages of a fixed speed (the
+bubble without noise, ``bubble_fraction``). Gradients are those of the mean loss over the batch: the last
 stage scales each micro-batch's loss by ``1/m`` before its backward (torch's
 ``scale_grads=True`` divides the gradients by m after the step instead: the
 same numbers, except that torch's also divides gradients accumulated before it).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .pipeline_stage import Action, PipelineStage
 
 __all__ = ["PipelineStage", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "gpipe_order",
-           "one_f_one_b_order", "check_order", "held_microbatches"]
+           "one_f_one_b_order", "check_order", "held_microbatches", "simulate_timeline", "bubble_fraction"]
 
 
 def gpipe_order(stage_index: int, num_stages: int, n_microbatches: int) -> List[Action]:
@@ -81,6 +82,49 @@ def held_microbatches(timeline: List[Action]) -> int:
         held += 1 if kind == "F" else -1
         peak = max(peak, held)
     return peak
+
+
+def simulate_timeline(orders: List[List[Action]], forward_time: float = 1.0,
+                      backward_time: float = 2.0) -> List[List[Tuple[str, int, float, float]]]:
+    """When each action of ``orders`` (one order per stage, stage i's at index i) runs on
+    stages of a fixed speed whose messages take no time: ``[(kind, k, start, end), ...]``
+    per stage. Each stage runs its order in turn; ``("F", k)`` also waits for the previous
+    stage's ``("F", k)``, ``("B", k)`` for the next stage's ``("B", k)``. A replay of the
+    schedule without noise (what the recorded ``spans`` of a real run approach); raises
+    ValueError when the orders wait on each other forever."""
+    p = len(orders)
+    done: Dict[Tuple[str, int, int], float] = {}   # (kind, k, stage) -> end time
+    out: List[List[Tuple[str, int, float, float]]] = [[] for _ in range(p)]
+    free, nxt = [0.0] * p, [0] * p
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while nxt[s] < len(orders[s]):
+                kind, k = orders[s][nxt[s]]
+                dep = ("F", k, s - 1) if kind == "F" else ("B", k, s + 1) if s < p - 1 else ("F", k, s)
+                if kind == "F" and s == 0:
+                    ready = 0.0
+                elif dep in done:
+                    ready = done[dep]
+                else:
+                    break
+                start = max(free[s], ready)
+                free[s] = done[(kind, k, s)] = start + (forward_time if kind == "F" else backward_time)
+                out[s].append((kind, k, start, free[s]))
+                nxt[s] += 1
+                moved = True
+        if not moved:
+            waiting = {s: orders[s][nxt[s]] for s in range(p) if nxt[s] < len(orders[s])}
+            raise ValueError(f"the orders wait on each other forever: next actions per stage {waiting}")
+    return out
+
+
+def bubble_fraction(spans: List[List[Tuple[float, float]]]) -> float:
+    """The idle fraction of a step, averaged over stages: ``spans[i]`` holds stage i's
+    (start, end) compute times; the step runs from the earliest start to the latest end."""
+    begin = min(a for stage in spans for a, _ in stage)
+    length = max(b for stage in spans for _, b in stage) - begin
+    return sum(1 - sum(b - a for a, b in stage) / length for stage in spans) / len(spans)
 
 
 class PipelineSchedule:
