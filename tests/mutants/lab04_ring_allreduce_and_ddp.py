@@ -187,6 +187,8 @@ def the_checks_bucketed_ddp_line(solution):
 
 # --- ex5_bucketed -----------------------------------------------------------------------------
 
+# Exercise 3's reference mutant names NaiveDDP inside sync_gradients' def, which counts against exercise 5 too
+# (it forbids NaiveDDP): exercise 5's 2nd mutant, graded in that round, is its own reference call.
 FINISH = """
     for work, flat, b in self.pending:
         work.wait()
@@ -212,12 +214,6 @@ def launches_everything_at_the_end_of_backward(solution):
     """)
 
 
-@mutant("ex5_bucketed", "wrong")
-def sums_without_dividing(solution):
-    "the buckets' sums copied back, never divided by the world size"
-    return swap(solution, "            flat /= dist.get_world_size()\n", "")
-
-
 @mutant("ex5_bucketed", "reference")
 def naive_ddps_sync_after_backward(solution):
     "no hooks' work; mgpu_lab.NaiveDDP's synchronisation after backward"
@@ -228,6 +224,12 @@ def naive_ddps_sync_after_backward(solution):
             require_backward_grad_sync=True, _params=list(self.bucket_of), group=None,
             world_size=dist.get_world_size()))
     """), "pass")
+
+
+@mutant("ex5_bucketed", "wrong")
+def sums_without_dividing(solution):
+    "the buckets' sums copied back, never divided by the world size"
+    return swap(solution, "            flat /= dist.get_world_size()\n", "")
 
 
 @mutant("ex5_bucketed", "copy")
@@ -266,18 +268,22 @@ def ring_latency_not_scaled(solution):
 
 
 @mutant("ex6_alpha_beta", "reference")
-def polyfit_through_an_alias(solution):
-    "numpy.polyfit under another name, weighted by 1/t"
-    return body(solution, """
-        from numpy import polyfit as fit_line
-        beta, alpha = fit_line(nbytes, seconds, 1, w=[1 / t for t in seconds])
-    """)
+def the_demo_cells_weighted_polyfit(solution):
+    "the plot cell after the exercise: np.polyfit with weights 1/t, the reference the exercise re-implements"
+    return body(solution, "beta, alpha = np.polyfit(nbytes, seconds, 1, w=1 / np.asarray(seconds))")
 
 
 @mutant("ex6_alpha_beta", "copy")
-def the_demo_cells_weighted_polyfit(solution):
-    "the plot cell after the exercise: np.polyfit with weights 1/t"
-    return body(solution, "beta, alpha = np.polyfit(nbytes, seconds, 1, w=1 / np.asarray(seconds))")
+def the_old_graded_cells_helpers(solution):
+    "least_squares and model_crossover, which the graded cell used to define and show, called as the answers"
+    solution = body(solution, "alpha, beta = least_squares(nbytes, seconds)")
+    return swap(solution, """    (a_ring, b_ring), (a_ps, b_ps) = ring_fit, ps_fit
+    for n in range(2, max_ranks + 1):
+        ring = (n - 1) * a_ring + 2 * (n - 1) / n * nbytes * b_ring  # 2(N-1) steps of alpha/2
+        ps = a_ps + (n - 1) * nbytes * b_ps                          # the root's link: (N-1)·S
+        if ps > ring:
+            return n
+    return None""", "    return model_crossover(nbytes, ring_fit, ps_fit, max_ranks)")
 
 
 @mutant("ex6_alpha_beta", "tamper")
