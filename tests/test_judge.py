@@ -41,6 +41,9 @@ def test_split_keeps_line_numbers_and_bound_names():
            "    pass\ndef g():\n    local = 1\nk = [z for z in range(3)]\nq[0] = 1\nw.attr = 2\n"
            "try:\n    pass\nexcept Exception as err:\n    pass\nclass K:\n    inside = 1\n")
     assert graded_cell.bound_names(src) == ["m", "i", "a", "b", "c", "fh", "g", "k", "err", "K"]
+    # IPython syntax, read as the kernel runs it: a %%writefile cell binds nothing, a magic line nothing
+    assert graded_cell.bound_names("%%writefile s.py\nx = 1\n") == []
+    assert graded_cell.bound_names("%matplotlib inline\ny = 2\n") == ["y"]
 
 
 @pytest.mark.parametrize("source, why", [

@@ -1,11 +1,13 @@
-"""Lab 03's hand-written DDP script (the solution's %%writefile cells), run under torchrun.
+"""Lab 03's hand-written DDP script, run under torchrun.
 
 The three scripts are taken from solutions/03_ddp_and_launching.ipynb: the single-process
-script, setup()/cleanup(), and the DDP conversion. Two CPU processes under
+script (the setup cell's string SINGLE_SCRIPT), setup()/cleanup() and the DDP conversion
+(%%writefile cells). Two CPU processes under
 ``python -m torch.distributed.run --standalone`` must give the single process's weights
 after 1 epoch and after resuming for a 2nd (optimizer state included), and the same
 validation MSE over the 25 samples counted once each.
 """
+import ast
 import json
 import os
 import subprocess
@@ -22,9 +24,14 @@ SCRIPTS = ("lab03_single.py", "lab03_setup.py", "lab03_ddp.py")
 
 def write_scripts(folder):
     cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    for name in SCRIPTS:
+    for name in SCRIPTS[1:]:
         [source] = [c.source for c in cells if c.cell_type == "code" and c.source.startswith(f"%%writefile {name}")]
         (folder / name).write_text(source.split("\n", 1)[1])
+    # the single-process script is a string of a setup cell (the lab's checks run it too)
+    [single] = [node.value for c in cells if c.cell_type == "code" and c.source.startswith("SINGLE_SCRIPT = ")
+                for node in ast.parse(c.source).body
+                if isinstance(node, ast.Assign) and node.targets[0].id == "SINGLE_SCRIPT"]
+    (folder / SCRIPTS[0]).write_text(ast.literal_eval(single))
 
 
 def summary(run):

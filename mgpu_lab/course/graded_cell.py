@@ -73,7 +73,8 @@ def bound_names(source: str) -> List[str]:
 
     As Python scopes them: assignments anywhere outside function, class and
     comprehension bodies (loop targets and ``with ... as`` included), imports,
-    and the names of functions and classes defined.
+    and the names of functions and classes defined. A cell in IPython syntax
+    (``%%writefile script.py`` binds nothing) is read as the kernel runs it.
     """
     names: List[str] = []
 
@@ -104,5 +105,12 @@ def bound_names(source: str) -> List[str]:
             else:
                 visit(child)
 
-    visit(ast.parse(source))
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        from .guard import _parse
+        tree = _parse(source)
+        if tree is None:
+            raise
+    visit(tree)
     return names
