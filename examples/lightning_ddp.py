@@ -71,6 +71,11 @@ def main():
         checksum = sum(p.detach().double().sum().item() for p in model.parameters())
         print(json.dumps({"world_size": trainer.world_size, "started_by": started_by,
                           "last_loss": round(model.last_loss, 6), "checksum": round(checksum, 9)}), flush=True)
+    if torch.distributed.is_initialized():
+        # Leave the group before the interpreter exits: a gloo group torn down by the
+        # interpreter's own shutdown can abort a rank ("terminate called without an
+        # active exception"), failing a run that had finished.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -324,6 +324,30 @@ def test_no_sandbox_grades_and_says_so(monkeypatch, capsys, tmp_path):
     assert report["notebooks"][0]["sandboxed"] is False and report["notebooks"][0]["score"] == 5
 
 
+def test_a_probe_already_scored_zero_is_neither_run_nor_judged(tmp_path, monkeypatch):
+    """An exercise the static pass has scored 0 (here: tampering) is settled: its probe,
+    which would loop until the cell's time limit, is not run, and its judge is not
+    asked; the next exercise is graded as usual."""
+    import mgpu_lab.course.grader as grader
+    judged = []
+
+    class Recording(grader.Judge):
+        def verdict(self, grade_id, *args, **kwargs):
+            judged.append(grade_id)
+            return super().verdict(grade_id, *args, **kwargs)
+
+    monkeypatch.setattr(grader, "Judge", Recording)
+    write(toy(add="math.pi = 3.0\ndef add(a, b):\n    while True:\n        pass"),
+          tmp_path / "sneaky.ipynb")
+    box = SANDBOX if SANDBOX.available else Sandbox(False, "no bubblewrap here")
+    grade = grade_notebook(tmp_path / "sneaky.ipynb", load_solutions(DATA / "solutions"),
+                           box=box, timeout=120)
+    assert {e.grade_id: (e.score, e.error) for e in grade.exercises} == {
+        "add_test": (0.0, "Tampering"), "mul_test": (3.0, None)}
+    assert judged == ["mul_test"]
+    assert grade.seconds < 120, "the looping probe ran to its time limit"
+
+
 # --- the pieces, without kernels -----------------------------------------------
 
 def test_match_by_lab_id_then_grade_ids_never_file_name():

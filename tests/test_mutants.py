@@ -26,6 +26,9 @@ from mutants import KINDS, all_mutants
 
 MUTANTS = all_mutants()
 LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
+# The first test to use the mutation run grades it (82 notebooks, about 5.5 min on 2 cores),
+# over pytest's default limit per test.
+MUTATION_RUN_TIMEOUT = 1200
 NOT_A_KILL = {"JudgeError", "NotJudged", "NotRun", "GraderError", "Missing"}
 
 
@@ -169,6 +172,7 @@ def _verdicts(plan, graded, lab):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(MUTATION_RUN_TIMEOUT)
 @pytest.mark.parametrize("lab", LABS)
 def test_each_mutant_scores_zero_on_its_exercise_and_the_others_keep_full_marks(
         mutation_run, lab):
@@ -180,6 +184,7 @@ def test_each_mutant_scores_zero_on_its_exercise_and_the_others_keep_full_marks(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(MUTATION_RUN_TIMEOUT)
 def test_kill_rate_is_100_percent(mutation_run, capsys):
     plan, graded, seconds = mutation_run
     rows, total, killed = [], 0, 0

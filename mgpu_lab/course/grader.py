@@ -43,7 +43,7 @@ from typing import Dict, List, Optional
 
 import nbformat
 
-from . import graded_cell, guard
+from . import graded_cell, guard, runner
 from .judge import Judge, JudgeError, Lines
 from .notebooks import SETUP_TAG, graded_cells, lab_id, nbgrader_meta
 from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
@@ -162,9 +162,13 @@ def setup_sources(instructor) -> List[str]:
 
 
 def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
-                 timeout: float, total_timeout: Optional[float]):
+                 timeout: float, total_timeout: Optional[float], settled=frozenset()):
     """Run the submission in the runner (sandboxed when ``box.available``), each
     graded cell's probe in its kernel and its judge here, in a :class:`Judge`.
+
+    ``settled``: indices of graded cells already scored 0 by the static pass
+    (tampering, a call of the reference): their probes are not run (an empty probe
+    is sent in its place) and not judged; the learner's cells around them still run.
 
     Returns ``(results, violations, verdicts)`` keyed by cell index: the runner's
     cell results, the references a cell called, and the judge's
@@ -181,7 +185,7 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
               "limits": asdict(limits), "cgroup": bool(box.cgroup), "trusted": trusted,
               "graded": {i: {"grade_id": gid, "forbidden": forbidden_of(tests[gid])}
                          for i, gid in prepared.graded.items()}}
-    argv = [sys.executable, "-m", "mgpu_lab.course.runner"]
+    argv = [sys.executable, "-c", runner.COMMAND]
     cleanup = []
     scratch = tempfile.TemporaryDirectory(prefix="mgpu-lab-grade-")
     env = _environment(package_dir, box.available)
@@ -229,6 +233,13 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
             msg = json.loads(line)
             if "need" in msg:
                 i = int(msg["need"])
+                if i in settled:
+                    verdicts[i] = ("Settled", "scored 0 by the static pass; not run")
+                    reply = {"source": "# scored 0 before it ran: see the report", "ship": {},
+                             "drop": [], "collect": []}
+                    proc.stdin.write((json.dumps(reply) + "\n").encode())
+                    proc.stdin.flush()
+                    continue
                 try:
                     ship, drop = judge.inputs(prepared.graded[i], parts[i].inputs)
                 except JudgeError as err:       # the check itself failed: not the learner's
@@ -293,9 +304,11 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
     static = static_check(submission, instructor)
     tampered = tampering(submission, instructor)
     grade.tampering = [f"{where}: {what}" for where, what, _ in tampered]
+    zeroed = set(static) | {gid for _, _, gids in tampered for gid in gids}
+    settled = {i for i, gid in prepared.graded.items() if gid in zeroed}
     try:
-        results, runtime, verdicts = run_prepared(prepared, instructor, box,
-                                                  limits or Limits(), timeout, total_timeout)
+        results, runtime, verdicts = run_prepared(prepared, instructor, box, limits or Limits(),
+                                                  timeout, total_timeout, settled)
     except Exception as err:
         results, runtime, verdicts = {}, {}, {}
         grade.error = f"GraderError: {brief(str(err))}"

@@ -1,6 +1,6 @@
 """The grader's runner: executes one submission, inside the sandbox, over a pipe.
 
-    python -m mgpu_lab.course.runner      (started by the grader, never by hand)
+    python -c COMMAND      (started by the grader, never by hand: ``COMMAND`` below)
 
 The grader writes one JSON line (the submission with every graded cell's source
 left out, the limits, the "must not call" lists). Before each graded cell the
@@ -27,6 +27,14 @@ import tempfile
 GUARD = '__import__("mgpu_lab.course.guard", fromlist=["guard"])'
 PLACEHOLDER = "# graded cell: the grader hands its source in when it runs"
 MESSAGE_LIMIT = 2000
+# How the grader starts this module: ``python -c COMMAND``, which imports the runner
+# without running ``mgpu_lab/__init__.py``. That file imports torch (1.5 s of CPU per
+# graded notebook), which the runner never uses; the kernel imports the package itself.
+COMMAND = ("import runpy, sys, types, importlib.util; "
+           "package = types.ModuleType('mgpu_lab'); "
+           "package.__path__ = list(importlib.util.find_spec('mgpu_lab').submodule_search_locations); "
+           "sys.modules['mgpu_lab'] = package; "
+           "runpy.run_module('mgpu_lab.course.runner', run_name='__main__', alter_sys=True)")
 ANSWER_LIMIT = 64 * 2**20          # bytes of probe data per graded cell
 # Run silently in the kernel around a graded cell (no names left behind).
 LOAD = """def _mgpu_lab_io(ship, drop):

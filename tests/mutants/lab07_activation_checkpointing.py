@@ -133,6 +133,12 @@ def copies_the_best_even_split_of_section_4(solution):
     """)
 
 
+@mutant("ex3_choose_segments", "copy")
+def calls_the_old_expected_helper(solution):
+    "return _expected(...): the helper the graded cell showed before issue 22 (gone now)"
+    return body(solution, "return _expected(blocks, x, budget_bytes)")
+
+
 @mutant("ex3_choose_segments", "tamper")
 def reads_the_check_budgets(solution):
     "answers from the check's own budgets, read as globals"
