@@ -57,3 +57,18 @@ def _stash_one():
 def test_kept_alive_finds_what_is_referenced_not_what_was_freed():
     kept, *_ = _stash_one()
     assert kept == sorted([((100,), 400), ((100,), 400), ((50,), 200)])  # a, a * 2, the view's base
+
+
+def test_kept_alive_waits_for_a_thread_that_lets_go_and_reports_what_stays():
+    """A storage a background thread (a backend's worker) releases just after the block is
+    not reported; one the caller still holds after the wait is."""
+    import threading
+    import time
+    with KeptAlive() as watch:
+        held = torch.ones(100) * 2
+        lent = [torch.ones(100) * 3]
+    releaser = threading.Thread(target=lambda: (time.sleep(0.2), lent.clear()))
+    releaser.start()
+    assert watch.kept(min_bytes=400) == [((100,), 400)]      # `held` only
+    releaser.join()
+    del held

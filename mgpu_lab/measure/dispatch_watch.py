@@ -31,6 +31,7 @@ holding tensors it did not get from an operator) is not seen.
 from __future__ import annotations
 
 import gc
+import time
 from typing import List, Tuple
 
 import torch
@@ -99,13 +100,23 @@ class KeptAlive(Recorder):
     """:func:`mgpu_lab.measure.kept_alive.kept_alive`'s recorder as a context manager, to
     watch a block of code rather than one call: ``kept(min_bytes)`` afterwards."""
 
-    def kept(self, min_bytes: int = 1) -> List[Tuple[Tuple[int, ...], int]]:
+    def kept(self, min_bytes: int = 1, settle: float = 1.0) -> List[Tuple[Tuple[int, ...], int]]:
         """``[(shape, storage bytes)]`` of the storages made while active that are still
-        referenced and hold at least ``min_bytes`` (one entry per storage)."""
+        referenced and hold at least ``min_bytes`` (one entry per storage).
+
+        A finished collective's buffers can stay referenced for a moment by the
+        backend's own thread (gloo lets go of its work object just after the call has
+        returned), so a storage is given up to ``settle`` seconds to be released; what
+        the code under watch keeps stays alive through that wait and is reported."""
         gc.collect()
-        rows = []
-        for ref, _, shape, _ in self.made.values():
-            storage = ref()
-            if storage is not None and storage.nbytes() >= min_bytes:
-                rows.append((shape, storage.nbytes()))
-        return rows
+        deadline = time.monotonic() + settle
+        while True:
+            rows = []
+            for ref, _, shape, _ in self.made.values():
+                storage = ref()
+                if storage is not None and storage.nbytes() >= min_bytes:
+                    rows.append((shape, storage.nbytes()))
+                del storage
+            if not rows or time.monotonic() >= deadline:
+                return rows
+            time.sleep(0.02)

@@ -60,12 +60,14 @@ def swap(source: str, old: str, new: str, count: int = 1) -> str:
     return source.replace(old, new, count)
 
 
-def body(solution: str, code: str) -> str:
-    """The solution cell with the region between its SOLUTION markers replaced by
-    ``code`` (dedented, then indented as the markers are)."""
-    m = re.search(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",
-                  solution, re.S | re.M)
-    assert m, "no solution markers in the exercise cell"
+def body(solution: str, code: str, region: int = 0) -> str:
+    """The solution cell with the region between its SOLUTION markers (the first, or
+    the ``region``-th from 0) replaced by ``code`` (dedented, then indented as the
+    markers are)."""
+    found = list(re.finditer(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",
+                             solution, re.S | re.M))
+    assert len(found) > region, f"mutant out of date: no solution region {region} in the exercise cell"
+    m = found[region]
     code = textwrap.indent(textwrap.dedent(code).strip("\n"), m.group(1))
     return solution[: m.start()] + code + solution[m.end():]
 

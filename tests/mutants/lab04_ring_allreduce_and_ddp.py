@@ -1,20 +1,7 @@
 """Mutants of lab 04: byte counts, the ring all-reduce, naive and bucketed DDP, the α–β fit."""
-import re
-import textwrap
-
 from . import body, mutant, prepend, swap
 
 LAB = "04_ring_allreduce_and_ddp"
-
-
-def second_body(solution: str, code: str) -> str:
-    """The solution with its *second* SOLUTION region replaced by ``code`` (``body`` replaces the first)."""
-    regions = list(re.finditer(r"^([ \t]*)### BEGIN SOLUTION\n.*?^[ \t]*### END SOLUTION[ \t]*$",
-                               solution, re.S | re.M))
-    assert len(regions) >= 2, "mutant out of date: fewer than two solution regions"
-    m = regions[1]
-    code = textwrap.indent(textwrap.dedent(code).strip("\n"), m.group(1))
-    return solution[: m.start()] + code + solution[m.end():]
 
 
 # --- ex1_bytes --------------------------------------------------------------------------------
@@ -217,7 +204,7 @@ def launches_everything_at_the_end_of_backward(solution):
 @mutant("ex5_bucketed", "reference")
 def naive_ddps_sync_after_backward(solution):
     "no hooks' work; mgpu_lab.NaiveDDP's synchronisation after backward"
-    return body(second_body(solution, """
+    return body(body(solution, region=1, code="""
         from types import SimpleNamespace
         from mgpu_lab import NaiveDDP
         NaiveDDP.finish_gradient_synchronization(SimpleNamespace(
@@ -235,7 +222,7 @@ def sums_without_dividing(solution):
 @mutant("ex5_bucketed", "copy")
 def exercise_3s_sync_after_backward(solution):
     "exercise 3's sync_gradients copied into finish_gradient_synchronization: one all-reduce per parameter, after backward"
-    return body(second_body(solution, """
+    return body(body(solution, region=1, code="""
         for p in self.module.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
@@ -246,7 +233,7 @@ def exercise_3s_sync_after_backward(solution):
 @mutant("ex5_bucketed", "tamper")
 def redefines_train_replica(solution):
     "the check's train_replica replaced by one that reports a perfect timeline, after a naive sync"
-    return prepend(body(second_body(solution, FINISH), "pass"), """
+    return prepend(body(body(solution, region=1, code=FINISH), "pass"), """
         def train_replica(model, steps, sync, watch=False):
             inner = model.module
             return ({k: v.cpu() for k, v in inner.state_dict().items()}, True, ["gagag|"] * steps)
