@@ -101,23 +101,30 @@ def _train_case(wrapper, scenario, mode, path):
             if acc.micro_steps_in_window:
                 acc.flush()  # the short last window
         else:
-            x, y = _step_batch(state.step, rank)
-            opt.zero_grad()
-            if scaler is not None:
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = _loss(model, x, y)
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                _loss(model, x, y).backward()
-                opt.step()
+            _step(model, opt, scaler, *_step_batch(state.step, rank))
             if sched is not None:
                 sched.step()
         state.step += 1
         if mode == "save" and state.step == SAVE_AT:
             state.save(path)
     return dict(weights=model_state_dict(model), scale=scaler.get_scale() if scaler else None)
+
+
+def _step(model, opt, scaler, x, y, clip=False):
+    """One optimizer step on (x, y): fp16 autocast and the loss scaler when there is one;
+    ``clip``: the gradient's norm clipped to 0.5 first (what the accumulator does)."""
+    opt.zero_grad()
+    if scaler is not None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(model, x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        _loss(model, x, y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(_trainable(model), 0.5)
+        opt.step()
 
 
 def _run(mode, folder, cases):
@@ -145,18 +152,7 @@ def _reference(scenario):
         else:
             parts = [_step_batch(step, r) for r in range(WORLD)]
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        opt.zero_grad()
-        if scaler is not None:
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = _loss(model, x, y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            _loss(model, x, y).backward()
-            if scenario == "accumulate":
-                torch.nn.utils.clip_grad_norm_(_trainable(model), 0.5)
-            opt.step()
+        _step(model, opt, scaler, x, y, clip=scenario == "accumulate")
         if sched is not None:
             sched.step()
     return model.state_dict(), scaler.get_scale() if scaler else None

@@ -237,16 +237,14 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
                     verdicts[i] = ("Settled", "scored 0 by the static pass; not run")
                     reply = {"source": "# scored 0 before it ran: see the report", "ship": {},
                              "drop": [], "collect": []}
-                    proc.stdin.write((json.dumps(reply) + "\n").encode())
-                    proc.stdin.flush()
-                    continue
-                try:
-                    ship, drop = judge.inputs(prepared.graded[i], parts[i].inputs)
-                except JudgeError as err:       # the check itself failed: not the learner's
-                    ship, drop, verdicts[i] = {}, [], ("JudgeError", str(err))
-                    judge = _fresh(judge)
-                reply = {"source": parts[i].probe, "ship": ship, "drop": drop,
-                         "collect": graded_cell.bound_names(parts[i].probe)}
+                else:
+                    try:
+                        ship, drop = judge.inputs(prepared.graded[i], parts[i].inputs)
+                    except JudgeError as err:       # the check itself failed: not the learner's
+                        ship, drop, verdicts[i] = {}, [], ("JudgeError", str(err))
+                        judge = _fresh(judge)
+                    reply = {"source": parts[i].probe, "ship": ship, "drop": drop,
+                             "collect": graded_cell.bound_names(parts[i].probe)}
                 proc.stdin.write((json.dumps(reply) + "\n").encode())
                 proc.stdin.flush()
             elif "answer" in msg:
