@@ -149,8 +149,6 @@ def add_parser(subparsers) -> None:
                    help="seconds per notebook (1800)")
     p.add_argument("--memory", type=float, default=8.0,
                    help="GiB of memory per notebook's sandbox (8)")
-    p.add_argument("--require-sandbox", action="store_true",
-                   help="fail (exit 2) when no sandbox can be made here (the default)")
     p.add_argument("--no-sandbox", action="store_true",
                    help="run submissions with your permissions (trusted notebooks only)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,1 +1,2 @@
-"""Instruments that observe the algorithms from outside: memory accounting, timing."""
+"""Instruments that observe the algorithms from outside: memory accounting, activation memory,
+collective traces, timing."""

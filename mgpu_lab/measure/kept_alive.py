@@ -1,6 +1,6 @@
 """What a forward keeps alive, found without trusting its saved-tensor hooks.
 
-``saved_tensor_bytes`` (``training/checkpointing.py``) counts what autograd
+``saved_tensor_bytes`` (``measure/activation_memory.py``) counts what autograd
 saves for backward with a saved-tensor *pack hook*. Hooks nest: while ``fn``
 runs under a hook of its own (``torch.utils.checkpoint``, CPU offloading, a
 checkpoint you wrote), autograd hands the saved tensors to the innermost hook

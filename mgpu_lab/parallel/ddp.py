@@ -29,6 +29,14 @@ Usage (both classes)::
         loss_fn(model(x1), y1).backward()   # gradients add up locally
     loss_fn(model(x2), y2).backward()   # this backward averages the accumulated sum
 
+The keywords are torch DDP's, where both have them: ``process_group=`` (the
+ranks to average over; ``.process_group``), ``bucket_cap_mb=``, and
+``device_ids=[rank]`` / ``output_device`` for a module on one GPU (inputs are
+moved there in forward; leave them out for a CPU module, as torch asks). As torch
+DDP, a module without a parameter that requires grad is refused, and
+``_set_params_and_buffers_to_ignore_for_model`` names parameters and buffers
+neither broadcast nor averaged.
+
 Finishing with backward: a hook on each parameter
 (``register_post_accumulate_grad_hook``) runs when its gradient is complete. The
 first one of a synchronised backward queues a callback with autograd's engine
@@ -62,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _unflatten_dense_tensors
+from torch.utils._pytree import tree_map_only
 
 _live_wrapper: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
@@ -69,7 +78,7 @@ _live_wrapper: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.Wea
 class _DataParallelBase(nn.Module):
     """What both DDPs share: the broadcast, the hooks and the end-of-backward callback, ``no_sync``."""
 
-    def __init__(self, module: nn.Module, group=None):
+    def __init__(self, module: nn.Module, *, process_group=None, device_ids=None, output_device=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
@@ -77,15 +86,23 @@ class _DataParallelBase(nn.Module):
             raise RuntimeError("torch.distributed is not initialised: build the model inside "
                                "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
         self.module = module
-        self.group = group
-        self.world_size = dist.get_world_size(group)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
         self.require_backward_grad_sync = True
+        # torch DDP's escape hatch: names set by _set_params_and_buffers_to_ignore_for_model are
+        # neither broadcast nor reduced.
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         # module.parameters() yields a shared (tied) parameter once.
-        self._params: List[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self._params: List[nn.Parameter] = [p for n, p in module.named_parameters()
+                                            if p.requires_grad and n not in self.parameters_to_ignore]
+        if not self._params:
+            raise RuntimeError(f"{type(self).__name__} is not needed when a module doesn't have any parameter "
+                               "that requires a gradient (as torch DDP says): there is nothing to average")
         self._names: Dict[int, str] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(p), name)
         self._check_devices()
+        self.device_ids, self.output_device = self._single_device(device_ids, output_device)
         self._broadcast_from_rank0()
         self._used = [False] * len(self._params)  # got a gradient here since the last sync
         self._pending = False                     # gradients accumulated since the last sync
@@ -98,22 +115,56 @@ class _DataParallelBase(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                        for i, p in enumerate(self._params)]
 
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
+        """torch DDP's static method: the named parameters and buffers (fully qualified names) of
+        ``module`` that a wrapper built afterwards neither broadcasts nor averages."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+
+    def _single_device(self, device_ids, output_device):
+        """torch DDP's ``device_ids=[rank]`` for a module on one GPU (inputs are moved there in
+        forward); None for a CPU module, as torch requires. Returns (device_ids, output_device)."""
+        if device_ids is None and output_device is None:
+            return None, None
+        devices = {p.device for p in self._params}
+        if device_ids is not None and len(device_ids) > 1:
+            raise ValueError("device_ids can only be None or contain a single element (one device per "
+                             "process: torch DDP's multi-device mode is not here)")
+        if not device_ids or len(devices) != 1 or next(iter(devices)).type == "cpu":
+            raise ValueError(f"device_ids and output_device only work with a module on one GPU (as torch DDP): "
+                             f"got device_ids {device_ids}, output_device {output_device}, and module parameters "
+                             f"on {sorted(map(str, devices))}; leave them out for a CPU module")
+        device = next(iter(devices))
+        given = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else \
+            torch.device(device.type, device_ids[0])
+        out = given if output_device is None else (torch.device(output_device) if not isinstance(output_device, int)
+                                                   else torch.device(device.type, output_device))
+        if given != device or out != device:
+            raise ValueError(f"device_ids={device_ids}, output_device={output_device}: the module's parameters "
+                             f"are on {device}; move it there first (model.to(device)) or pass that device")
+        return [device.index], device.index
+
     def _check_devices(self) -> None:
-        backend = dist.get_backend(self.group)
-        for name, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+        backend = dist.get_backend(self.process_group)
+        for name, t in self._named_tensors():
             if backend == "nccl" and t.device.type != "cuda":
                 raise ValueError(f"{name} is on {t.device} but the backend is nccl: move the "
                                  "model to this rank's GPU (model.to(device)) before wrapping it")
             if backend == "gloo" and t.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{name} is on {t.device}, which gloo cannot send")
 
+    def _named_tensors(self):
+        """Parameters and buffers, those torch DDP was told to ignore left out."""
+        return [(n, t) for n, t in list(self.module.named_parameters()) + list(self.module.named_buffers())
+                if n not in self.parameters_to_ignore]
+
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
         """Make every replica start from rank 0's weights (N·model bytes from rank 0)."""
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
+        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+        for _, t in self._named_tensors():
             buf = t.detach() if t.is_contiguous() else t.detach().contiguous()
-            dist.broadcast(buf, src=src, group=self.group)
+            dist.broadcast(buf, src=src, group=self.process_group)
             if buf.data_ptr() != t.data_ptr():
                 t.copy_(buf)
 
@@ -128,6 +179,9 @@ class _DataParallelBase(nn.Module):
             raise RuntimeError(f"this {type(self).__name__} was replaced by a newer wrapper of the same module "
                                "(a cell run twice?): use the new one")
         self._callback_queued = False  # a backward that failed half-way may have left it set
+        if self.device_ids:  # torch DDP moves the inputs to its device
+            device = torch.device(self._params[0].device.type, self.device_ids[0])
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(device), (args, kwargs))
         return self.module(*args, **kwargs)
 
     @contextmanager
@@ -192,13 +246,13 @@ class NaiveDDP(_DataParallelBase):
     def _synchronize(self) -> None:
         if self._params:
             used = torch.tensor(self._used, dtype=torch.float32, device=self._params[0].device)
-            dist.all_reduce(used, group=self.group)  # waits; bounded by the group's timeout
+            dist.all_reduce(used, group=self.process_group)  # waits; bounded by the group's timeout
             for p, anyone in zip(self._params, used.tolist()):
                 if not anyone:  # no rank used it: its grad stays as it is
                     continue
                 if p.grad is None:  # unused on this rank only: contribute zeros
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.group)
+                dist.all_reduce(p.grad, group=self.process_group)
                 p.grad.div_(self.world_size)
         self._reset()
 
@@ -210,6 +264,12 @@ class _Bucket:
         self.work = None   # the all-reduce in flight
         self.parts: List[torch.Tensor] = []  # what was flattened: the gradients, then the used flags
         self.flat = None   # kept from step to step: a fresh gradient-sized buffer would cost page faults
+
+
+def _sparse_message(what: str) -> str:
+    return (f"BucketedDDP flattens gradients into dense buckets and cannot carry the sparse gradient of {what}: "
+            "use NaiveDDP or torch's DistributedDataParallel (both all-reduce a sparse gradient as it is), "
+            "or a dense embedding (sparse=False)")
 
 
 class BucketedDDP(_DataParallelBase):
@@ -232,10 +292,15 @@ class BucketedDDP(_DataParallelBase):
     overlap; a tiny cap gives per-parameter messages.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, group=None):
+    def __init__(self, module: nn.Module, *, process_group=None, bucket_cap_mb: float = 25.0,
+                 device_ids=None, output_device=None):
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
-        super().__init__(module, group)
+        sparse = [n for n, m in module.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+        if sparse:
+            raise ValueError(_sparse_message(f"{sparse[0]} (sparse=True)"))
+        super().__init__(module, process_group=process_group, device_ids=device_ids, output_device=output_device)
         self.bucket_cap_mb = float(bucket_cap_mb)
         cap = self.bucket_cap_mb * 1024 * 1024
         groups: List[List[int]] = []
@@ -260,6 +325,8 @@ class BucketedDDP(_DataParallelBase):
         return [[self._names[id(p)] for p in b.params] for b in self._buckets]
 
     def _grad_ready(self, i: int) -> None:
+        if self._params[i].grad.is_sparse:
+            raise RuntimeError(_sparse_message(self._names[id(self._params[i])]))
         self._buckets[self._bucket_of[i]].ready += 1
         while (self._next_bucket < len(self._buckets)
                and self._buckets[self._next_bucket].ready == len(self._buckets[self._next_bucket].params)):
@@ -275,7 +342,7 @@ class BucketedDDP(_DataParallelBase):
         if bucket.flat is None:
             bucket.flat = torch.empty(sum(t.numel() for t in bucket.parts), dtype=used.dtype, device=used.device)
         torch.cat([t.reshape(-1) for t in bucket.parts], out=bucket.flat)  # torch's _flatten_dense_tensors, in place
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
 
     @torch.no_grad()
     def _synchronize(self) -> None:

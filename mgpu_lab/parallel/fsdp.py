@@ -19,7 +19,7 @@ reduce-scatter of Ψ, each Ψ·(N-1)/N per rank: 3Ψ·(N-1)/N, 1.5x DDP's all-re
 
 What a unit is
 --------------
-``FSDP(module, units=None)``: by default every direct child of ``module`` is a
+``FSDP(module, units=...)``: by default every direct child of ``module`` is a
 unit (for a transformer, pass the blocks: ``units=model.blocks``, as one applies
 ``fully_shard`` to each block). Parameters of ``module`` outside every unit form
 the *root* unit, gathered for the whole forward and the whole backward. A
@@ -48,9 +48,10 @@ Mixed precision, named as FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` for
 the all-gathers (half the bytes) and compute (floating-point inputs of the root
 and of every unit are cast; buffers are not), ``reduce_dtype`` for the gradient
 reduce-scatter: by default the parameters' own dtype (fp32 master weights sum
-their gradients in fp32), where FSDP2 defaults to ``param_dtype``.
-``compute_dtype`` is the old name of ``param_dtype``. Every rank must use the
-same parameters in every step (as FSDP2 requires).
+their gradients in fp32), where FSDP2 defaults to ``param_dtype``. The options
+are keyword-only, as FSDP2's: ``FSDP(module, param_dtype=torch.bfloat16,
+units=model.blocks, process_group=pg)``. Every rank must use the same
+parameters in every step (as FSDP2 requires).
 """
 from __future__ import annotations
 
@@ -79,23 +80,20 @@ class FSDP(nn.Module):
     Gradients are reduce-scattered and averaged by the time ``backward()`` returns.
     """
 
-    def __init__(self, module: nn.Module, param_dtype: Optional[torch.dtype] = None,
-                 units: Optional[Iterable[nn.Module]] = None, group=None, *,
-                 reduce_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None):
+    def __init__(self, module: nn.Module, *, param_dtype: Optional[torch.dtype] = None,
+                 reduce_dtype: Optional[torch.dtype] = None, units: Optional[Iterable[nn.Module]] = None,
+                 process_group=None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
-        if compute_dtype is not None and param_dtype is not None and compute_dtype != param_dtype:
-            raise ValueError("compute_dtype is the old name of param_dtype: give one of them")
-        param_dtype = param_dtype or compute_dtype
-        _check_dtype("param_dtype (compute_dtype)", param_dtype)
+        _check_dtype("param_dtype", param_dtype)
         _check_dtype("reduce_dtype", reduce_dtype)
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: build the model inside "
                                "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
-        self.module, self.group = module, group
+        self.module, self.process_group = module, process_group
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-        self._comm = Comm(group)
+        self._comm = Comm(process_group)
         self.rank, self.world_size = self._comm.rank, self._comm.world_size
         self._state_keys = list(module.state_dict().keys())  # the plain module's, in its order
         unit_modules = list(module.children()) if units is None else list(units)
@@ -137,7 +135,7 @@ class FSDP(nn.Module):
         self._shards = nn.ParameterList([g.shard for _, _, gs in self._units for g in gs])
         with torch.no_grad():
             for b in module.buffers():
-                dist.broadcast(b, src=self._comm.src, group=group)
+                dist.broadcast(b, src=self._comm.src, group=process_group)
         self._backward_started = False
         self._ran = None
 

@@ -52,10 +52,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
-                                 reduction: str = "mean") -> torch.Tensor:
+                                 reduction: str = "none") -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded ``logits`` ``[..., V/N]`` (rank r: ids ``r*V/N ...``)
     against the full ids ``target`` ``[...]``, the same on every rank; equals
-    ``F.cross_entropy`` of the gathered logits. ``reduction``: "mean", "sum" or "none"."""
+    ``F.cross_entropy(..., reduction=reduction)`` of the gathered logits. ``reduction``: "none"
+    (the default, as Megatron's ``vocab_parallel_cross_entropy``: one loss per position, shaped as
+    ``target``; mask and average them yourself), "mean" or "sum"."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if target.shape != logits.shape[:-1]:

@@ -96,10 +96,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 def process_group(model: nn.Module):
     """The process group the model's gradients are averaged over (None: the default group)."""
     model, kind = _compiled(model), wrapper_kind(model)
-    if kind == "torch_ddp":
+    if kind in ("torch_ddp", "ddp", "fsdp"):
         return model.process_group
-    if kind in ("ddp", "fsdp"):
-        return model.group
     if kind == "fully_shard":
         return next(p for p in model.parameters()).device_mesh.get_group()
     return None
@@ -161,7 +159,7 @@ def clip_grad_norm_(model: nn.Module, params: List[torch.Tensor], max_norm: floa
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     grads = [p.grad for p in params if p.grad is not None]  # disjoint shards: add up squared norms
     squares = sum((g.float().norm() ** 2 for g in grads), torch.zeros((), device=params[0].device))
-    dist.all_reduce(squares, group=model.group)
+    dist.all_reduce(squares, group=model.process_group)
     total = squares.sqrt()
     if grads:
         torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0).to(grads[0].dtype))
@@ -214,9 +212,10 @@ def optimizer_state_dict(model: nn.Module, optimizer) -> Any:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         return get_optimizer_state_dict(model, optimizer, options=_full_options(True))
     if kind == "fsdp":
-        parts = [None] * dist.get_world_size(model.group) if model.rank == 0 else None
-        dst = 0 if model.group is None else dist.get_global_rank(model.group, 0)
-        dist.gather_object(optimizer.state_dict(), parts, dst=dst, group=model.group)
+        group = model.process_group
+        parts = [None] * dist.get_world_size(group) if model.rank == 0 else None
+        dst = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.gather_object(optimizer.state_dict(), parts, dst=dst, group=group)
         return {"per_rank": parts}
     return optimizer.state_dict()
 

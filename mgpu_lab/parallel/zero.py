@@ -27,7 +27,14 @@ every hyper-parameter of the wrapped optimizer (its defaults included, so an LR
 scheduler works without an explicit ``lr``); they are copied into the local
 optimizer before each step and back after it (what the local optimizer writes
 becomes visible). ``state`` holds the state of this rank's parameters only.
-``step(closure=None, **kwargs)`` passes both on. For checkpoints, as torch:
+``step(closure=None, **kwargs)`` passes both on. The signature is torch's,
+``ShardedOptimizer(params, optimizer_class, process_group=None,
+parameters_as_bucket_view=False, **defaults)``; the local optimizer is ``.optim``;
+every parameter must be of one dense type (dtype and device), as torch requires.
+With ``parameters_as_bucket_view=True`` each rank's trainable parameters are views
+of one flat bucket, which the owner broadcasts as it is (no packing copy).
+
+For checkpoints, as torch:
 ``consolidate_state_dict(to=0)`` on every rank, then ``state_dict()`` on rank 0
 (no communication); without it, ``state_dict()`` is a collective that every
 rank calls and every rank gets. Either way it is the state dict the *unsharded*
@@ -67,6 +74,16 @@ def partition_parameters(sizes: Sequence[int], world_size: int) -> List[List[int
     return [sorted(o) for o in owned]
 
 
+def _check_one_dense_type(params: List[torch.Tensor]) -> None:
+    """torch's ZeroRedundancyOptimizer's rule: every parameter of one dense type (dtype and device
+    kind), so each rank's parameters travel as one flat buffer."""
+    types = sorted({torch.typename(p) for p in params})
+    if any(p.is_sparse for p in params) or len(types) > 1:
+        raise ValueError(f"ShardedOptimizer (as torch's ZeroRedundancyOptimizer) supports only parameters of one "
+                         f"dense type, got {' and '.join(types)}{' (sparse)' if any(p.is_sparse for p in params) else ''}: "
+                         "give it the parameters of one dtype and device (e.g. two optimizers, one per dtype)")
+
+
 def _copy_hyperparameters(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) -> None:
     for s, d in zip(src, dst):
         d.update({k: v for k, v in s.items() if k != "params"})
@@ -81,31 +98,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
     per rank) and a flat copy of the largest shard as scratch.
     """
 
-    def __init__(self, params, optimizer_class: Optional[Type[torch.optim.Optimizer]] = None, group=None, *,
-                 optimizer_cls: Optional[Type[torch.optim.Optimizer]] = None, **defaults: Any):
-        if optimizer_cls is not None:  # the old name
-            if optimizer_class is not None:
-                raise TypeError("give optimizer_class (optimizer_cls is its old name), not both")
-            optimizer_class = optimizer_cls
+    def __init__(self, params, optimizer_class: Type[torch.optim.Optimizer], process_group=None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults: Any):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError("optimizer_class (or optimizer_cls) must be a torch.optim.Optimizer class "
+            raise TypeError("optimizer_class must be a torch.optim.Optimizer class "
                             f"(e.g. torch.optim.AdamW), got {optimizer_class!r}")
+        if overlap_with_ddp:
+            raise NotImplementedError("ShardedOptimizer(overlap_with_ddp=True): stepping inside DDP's communication "
+                                      "hook is torch's ZeroRedundancyOptimizer's alone; step after backward here")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: build the optimizer inside "
                                "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
-        self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.optimizer_class = self.optimizer_cls = optimizer_class
+        params = list(params) if not isinstance(params, torch.Tensor) else params  # torch's TypeError for a tensor
+        self.process_group = process_group
+        self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+        self.optimizer_class = optimizer_class
+        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self._owner: Dict[torch.Tensor, int] = {}   # parameter -> owning rank (in group)
         self._loads = [0] * self.world_size
-        self._local = None
+        self.optim: Optional[torch.optim.Optimizer] = None  # torch's name for the local optimizer
+        self._buckets: List[Optional[torch.Tensor]] = []    # per rank, with parameters_as_bucket_view
+        self._trainable: List[bool] = []
         self._consolidated: Optional[Dict[int, Any]] = None  # full state, on the rank it was consolidated to
         self._consolidated_to: Optional[int] = None
         super().__init__(params, defaults=defaults)
-        self._local = optimizer_class([self._local_group(g) for g in self.param_groups], **defaults)
-        self.defaults = self._local.defaults  # every hyper-parameter, for groups added later
-        _copy_hyperparameters(self._local.param_groups, self.param_groups)
-        self.state = self._local.state  # this rank's parameters only
+        _check_one_dense_type([p for g in self.param_groups for p in g["params"]])
+        self.optim = optimizer_class([self.optim_group(g) for g in self.param_groups], **defaults)
+        self.defaults = self.optim.defaults  # every hyper-parameter, for groups added later
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
+        self.state = self.optim.state  # this rank's parameters only
+        self._build_buckets()
 
     # ------------------------------------------------------------------ partition
     def _assign(self, params: List[torch.Tensor]) -> None:
@@ -124,9 +146,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        if self._local is not None:  # after construction: partition the new group too
-            self._local.add_param_group(self._local_group(self.param_groups[-1]))
-            _copy_hyperparameters(self._local.param_groups[-1:], self.param_groups[-1:])
+        if self.optim is not None:  # after construction: partition the new group too
+            _check_one_dense_type([p for g in self.param_groups for p in g["params"]])
+            self.optim.add_param_group(self.optim_group(self.param_groups[-1]))
+            _copy_hyperparameters(self.optim.param_groups[-1:], self.param_groups[-1:])
+            self._build_buckets()
 
     @property
     def partition(self) -> List[List[torch.Tensor]]:
@@ -137,27 +161,43 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 out[self._owner[p]].append(p)
         return out
 
-    @property
-    def local_optimizer(self) -> torch.optim.Optimizer:
-        """The ``optimizer_class`` instance over this rank's shard."""
-        return self._local
+    @torch.no_grad()
+    def _build_buckets(self) -> None:
+        """``parameters_as_bucket_view=True`` (torch's): each rank's trainable parameters become views
+        of one flat tensor, its bucket, so sharing them after a step is one broadcast and no copy.
+        Rebuilt when a parameter is frozen or unfrozen (a frozen one gets its own storage back)."""
+        self._trainable = [p.requires_grad for g in self.param_groups for p in g["params"]]
+        if not self.parameters_as_bucket_view:
+            return
+        self._buckets = []
+        for params in self.partition:
+            trainable = [p for p in params if p.requires_grad]
+            for p in params:
+                if not p.requires_grad:
+                    p.data = p.data.clone()  # it may have been a view of an old bucket
+            bucket = _flatten_dense_tensors([p.data for p in trainable]) if trainable else None
+            for p, view in zip(trainable, _unflatten_dense_tensors(bucket, trainable) if trainable else ()):
+                p.data = view
+            self._buckets.append(bucket)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def _share_parameters(self) -> None:
-        """Each owner broadcasts its updated parameters, packed in one flat buffer."""
+        """Each owner broadcasts its updated parameters, packed in one flat buffer (with
+        ``parameters_as_bucket_view``: the bucket the parameters are views of)."""
+        if [p.requires_grad for g in self.param_groups for p in g["params"]] != self._trainable:
+            self._build_buckets()  # a parameter was frozen or unfrozen since
         for r, params in enumerate(self.partition):
             params = [p for p in params if p.requires_grad]
             if not params:
                 continue
-            src = r if self.group is None else dist.get_global_rank(self.group, r)
-            if any(p.dtype != params[0].dtype or p.device != params[0].device for p in params):
-                for p in params:  # mixed dtypes/devices: one message per parameter
-                    dist.broadcast(p.detach(), src=src, group=self.group)
+            src = r if self.process_group is None else dist.get_global_rank(self.process_group, r)
+            if self.parameters_as_bucket_view:
+                dist.broadcast(self._buckets[r], src=src, group=self.process_group)
                 continue
             flat = (_flatten_dense_tensors([p.detach() for p in params]) if r == self.rank else
                     torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device))
-            dist.broadcast(flat, src=src, group=self.group)
+            dist.broadcast(flat, src=src, group=self.process_group)
             if r != self.rank:
                 for p, value in zip(params, _unflatten_dense_tensors(flat, params)):
                     p.copy_(value)
@@ -165,9 +205,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None, **kwargs):
         """Step this rank's shard (``closure`` and keyword arguments passed on), then share the
         updated parameters with every rank."""
-        _copy_hyperparameters(self.param_groups, self._local.param_groups)
-        loss = self._local.step(**kwargs) if closure is None else self._local.step(closure, **kwargs)
-        _copy_hyperparameters(self._local.param_groups, self.param_groups)
+        _copy_hyperparameters(self.param_groups, self.optim.param_groups)
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure, **kwargs)
+        _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self._share_parameters()
         self._consolidated = self._consolidated_to = None
         return loss
@@ -183,15 +223,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _local_state(self) -> Dict[int, Any]:
         """This rank's optimizer state, by global parameter index."""
         index = self._global_index()
-        local_params = [p for lg in self._local.param_groups for p in lg["params"]]
-        return {index[local_params[i]]: s for i, s in self._local.state_dict()["state"].items()}
+        local_params = [p for lg in self.optim.param_groups for p in lg["params"]]
+        return {index[local_params[i]]: s for i, s in self.optim.state_dict()["state"].items()}
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's part of the optimizer state on rank ``to`` (every rank calls it);
         then call ``state_dict()`` there."""
         parts: Optional[List[Any]] = [None] * self.world_size if self.rank == to else None
-        dst = to if self.group is None else dist.get_global_rank(self.group, to)
-        dist.gather_object(self._local_state(), parts, dst=dst, group=self.group)
+        dst = to if self.process_group is None else dist.get_global_rank(self.process_group, to)
+        dist.gather_object(self.optim_state(), parts, dst=dst, group=self.process_group)
         self._consolidated = {i: s for part in parts for i, s in part.items()} if parts is not None else None
         self._consolidated_to = to
 
@@ -204,7 +244,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"the state was consolidated on rank {self._consolidated_to} "
                                    f"(consolidate_state_dict(to={self._consolidated_to})): call state_dict() there")
             parts: List[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, self._local_state(), group=self.group)
+            dist.all_gather_object(parts, self.optim_state(), group=self.process_group)
             state = {i: s for part in parts for i, s in part.items()}
         index = self._global_index()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
@@ -229,6 +269,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     ids.append(j)
                     j += 1
             local_groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": ids})
-        self._local.load_state_dict({"state": local_state, "param_groups": local_groups})
-        self.state = self._local.state
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self.state = self.optim.state
         self._consolidated = self._consolidated_to = None

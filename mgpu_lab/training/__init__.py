@@ -1,2 +1,2 @@
 """The training step: mixed precision, gradient accumulation, activation
-checkpointing, resumable training state."""
+recompute, resumable training state."""

@@ -227,13 +227,6 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- resumable training
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module whose ``state_dict()`` is the plain model's: ``.module`` of torch DDP, our DDPs
-    and DataParallel; an FSDP (its ``state_dict()`` gathers full weights) or a plain model itself.
-    A wrapper mgpu_lab does not know is a TypeError."""
-    return wrappers.unwrap(model)
-
-
 class TrainState:
     """Everything a training run needs to continue bit for bit, saved and restored together.
 

@@ -1,4 +1,4 @@
-"""Activation (gradient) checkpointing: trade compute for memory.
+"""Activation recompute (gradient checkpointing): trade compute for memory.
 
 Backward needs some of the tensors forward made (a ``Linear`` needs its input
 to compute the weight's gradient, a ``GELU`` its input, softmax its output), so
@@ -41,19 +41,19 @@ time for the recompute, so dropout draws the same mask and gradients equal the
 un-checkpointed run; the generators are restored afterwards, so checkpointing
 does not change the random numbers that later code draws.
 
-Measuring: ``saved_tensor_bytes(fn, *args)`` counts the bytes autograd saves
-while ``fn`` runs (what is saved, not what an allocator reserved);
-``peak_memory(fn, *args)`` is the CUDA allocator's peak during ``fn``.
+What it saves is measured from outside, by :mod:`mgpu_lab.measure.activation_memory`
+(``saved_tensor_bytes``, ``peak_memory``).
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["checkpoint", "checkpoint_sequential", "saved_tensor_bytes", "peak_memory"]
+__all__ = ["checkpoint", "checkpoint_sequential"]
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -198,20 +198,25 @@ def checkpoint(fn: Callable[..., Any], *args: Any, use_reentrant: Optional[bool]
 
     The keywords are ``torch.utils.checkpoint.checkpoint``'s, with the same
     meaning (any other keyword goes to ``fn``): ``use_reentrant`` (only the
-    non-reentrant design is here: ``None`` or ``False``), ``preserve_rng_state``
+    non-reentrant design is here: pass ``False``; ``None`` warns as torch does, then runs the
+    non-reentrant design where torch would run the reentrant one), ``preserve_rng_state``
     (``False``: no RNG replay, cheaper, for an ``fn`` without randomness),
     ``determinism_check`` (``"default"`` compares the recomputed tensors' shapes,
     dtypes and devices with forward's, ``"none"`` does not), ``context_fn`` (returns
     two context managers: forward runs in the first, the recompute in the second;
     torch's ``create_selective_checkpoint_contexts`` works), ``early_stop``
-    (``False``: the recompute runs ``fn`` to its end). ``debug=True`` is torch's
-    alone.
+    (``False``: the recompute runs ``fn`` to its end; torch's global
+    ``torch.utils.checkpoint.set_checkpoint_early_stop(enable)`` overrides it, as in torch).
+    ``debug=True`` is torch's alone.
     """
     if not callable(fn):
         raise TypeError(f"checkpoint(fn, *args): fn must be callable, got {type(fn).__name__}")
-    if use_reentrant:
+    if use_reentrant is None:
+        _warn_use_reentrant("checkpoint")
+    elif use_reentrant:
         raise ValueError("mgpu_lab.checkpoint is the non-reentrant design only (use_reentrant=False); for "
                          "the reentrant one call torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)")
+    early_stop = _torch_early_stop(early_stop)
     if determinism_check not in ("default", "none"):
         raise ValueError(f"determinism_check should be one of ['default', 'none'], but got {determinism_check!r}")
     if debug:
@@ -232,6 +237,20 @@ def checkpoint(fn: Callable[..., Any], *args: Any, use_reentrant: Optional[bool]
         return fn(*args, **kwargs)
 
 
+def _warn_use_reentrant(name: str) -> None:
+    """torch's warning for a call that leaves ``use_reentrant`` out (torch then runs the reentrant design)."""
+    warnings.warn(f"mgpu_lab.{name}: the use_reentrant parameter should be passed explicitly, as "
+                  "torch.utils.checkpoint asks. Only the non-reentrant design is here, so use_reentrant=False "
+                  "runs; torch's default would run the reentrant one.", stacklevel=3)
+
+
+def _torch_early_stop(early_stop: bool) -> bool:
+    """torch's global ``set_checkpoint_early_stop(enable)``, read at call time, overrides the keyword."""
+    import torch.utils.checkpoint as tc
+    enabled = getattr(tc, "_enable_checkpoint_early_stop", None)
+    return early_stop if enabled is None else enabled
+
+
 def _segments(n: int, segments: int) -> List[Tuple[int, int]]:
     """torch's split: ``segments - 1`` segments of ``n // segments`` blocks, the rest last."""
     size = n // segments
@@ -248,7 +267,7 @@ def checkpoint_sequential(modules, segments: int, x: torch.Tensor, use_reentrant
 
     Memory: ``segments - 1`` piece inputs plus the last piece's activations, and
     during backward one piece's recomputed activations at a time. ``use_reentrant``
-    and ``preserve_rng_state`` as in :func:`checkpoint`.
+    (pass ``False``; ``None`` warns as torch does) and ``preserve_rng_state`` as in :func:`checkpoint`.
     """
     funcs = list(modules.children()) if isinstance(modules, nn.Sequential) else list(modules)
     if not funcs:
@@ -264,71 +283,10 @@ def checkpoint_sequential(modules, segments: int, x: torch.Tensor, use_reentrant
             return h
         return piece
 
+    if use_reentrant is None:
+        _warn_use_reentrant("checkpoint_sequential")
+        use_reentrant = False
     bounds = _segments(len(funcs), segments)
     for start, end in bounds[:-1]:
         x = checkpoint(run(start, end), x, use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state)
     return run(*bounds[-1])(x)
-
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    """A parameter, or a view of one (``Linear`` saves ``weight.t()``)."""
-    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
-
-
-def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, count_parameters: bool = False,
-                       **kwargs: Any) -> int:
-    """Bytes of the tensors autograd saves for backward while ``fn(*args, **kwargs)`` runs.
-
-    This is the activation memory a forward pass leaves behind (what backward
-    will read), measured with ``saved_tensors_hooks``: each storage is counted
-    once (two tensors that share memory, like ``relu``'s output and the next
-    ``Linear``'s input, are one allocation), at its full size. Parameters (and
-    views of them) are weights, not activations, and are left out unless
-    ``count_parameters=True``. It counts what is saved, not what an allocator
-    reserved, so it is the same on CPU and GPU wherever their kernels save the
-    same tensors (dropout does not: CUDA saves a 1-byte mask, the CPU a float
-    one). Runs ``fn`` once, with grad enabled, and drops its result.
-    """
-    seen: Dict[Tuple[str, int], int] = {}
-    keep: List[torch.Tensor] = []  # alive until the end, so no address is reused
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if count_parameters or not _is_parameter(t):
-            s = t.untyped_storage()
-            seen.setdefault((str(t.device), s.data_ptr()), s.nbytes())
-            keep.append(t)
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args, **kwargs)
-    del out
-    keep.clear()
-    return sum(seen.values())
-
-
-def peak_memory(fn: Callable[..., Any], *args: Any, device=None, **kwargs: Any) -> int:
-    """Peak CUDA memory allocated while ``fn(*args, **kwargs)`` runs, above what was
-    allocated when it started, in bytes (``torch.cuda.max_memory_allocated``).
-
-    Pass a whole training step (forward and backward) to see checkpointing's real
-    effect: saved activations plus the recompute's transient ones. CUDA only; on
-    CPU, use ``saved_tensor_bytes``. ``device`` defaults to the first CUDA tensor
-    argument's device, else the current CUDA device.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("peak_memory measures the CUDA caching allocator and needs a GPU; "
-                           "on CPU use mgpu_lab.saved_tensor_bytes(fn, *args) to count the "
-                           "activation bytes autograd saves")
-    if device is None:
-        cuda_args = [a for a in list(args) + list(kwargs.values())
-                     if isinstance(a, torch.Tensor) and a.is_cuda]
-        device = cuda_args[0].device if cuda_args else torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"peak_memory: device must be a CUDA device, got {device}")
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn(*args, **kwargs)
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
