@@ -21,7 +21,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from mgpu_lab import backend, bus_bandwidth, launch, naive_allreduce, rank_device, ring_allreduce
+from mgpu_lab import backend, launch, naive_allreduce, rank_device, ring_allreduce
+from mgpu_lab.parallel.collectives import bus_bandwidth
 from mgpu_lab.measure.timing import Table, median_times, print_json
 
 

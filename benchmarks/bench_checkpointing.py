@@ -72,7 +72,7 @@ def bench(model: nn.Sequential, x: torch.Tensor, steps: int):
     ks = sorted({k for k in (2, 4, root, 8, 16, n) if 2 <= k <= n})
     runs = {"plain": lambda h: model(h)}
     for k in ks:
-        runs[f"mgpu_lab k={k}"] = lambda h, k=k: checkpoint_sequential(model, k, h)
+        runs[f"mgpu_lab k={k}"] = lambda h, k=k: checkpoint_sequential(model, k, h, use_reentrant=False)
     runs[f"torch k={root}"] = lambda h: tc.checkpoint_sequential(model, root, h, use_reentrant=False)
     segs = {"plain": 1, **{f"mgpu_lab k={k}": k for k in ks}, f"torch k={root}": root}
 

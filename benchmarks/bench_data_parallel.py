@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mgpu_lab
-from mgpu_lab import DataParallel, DataParallelCriterion, DataParallelModel, account_memory
+from mgpu_lab import DataParallel, DataParallelCriterion, DataParallelModel
+from mgpu_lab.measure.memory_account import account_memory
 from mgpu_lab.measure.timing import Table, median_times, print_json
 
 

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mgpu_lab import FSDP, ShardedOptimizer, launch, rank_device, zero_bytes_per_rank
+from mgpu_lab import FSDP, ShardedOptimizer, launch, rank_device
+from mgpu_lab.parallel.sharding import zero_bytes_per_rank
 from mgpu_lab.measure.timing import Table, median_times, print_json
 
 LR = 1e-3

@@ -30,7 +30,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
-from mgpu_lab import TrainState, cleanup, distributed_loader, init_distributed, rank_device, save_checkpoint, unwrap
+from mgpu_lab import TrainState, cleanup, distributed_loader, init_distributed, rank_device, save_checkpoint
+from mgpu_lab.parallel.wrappers import unwrap
 
 
 def make_dataset(n=96, features=8, seed=0):

@@ -19,7 +19,11 @@ def torch_checkpoint(fn, *args, **kwargs):
 
 
 # The semantics below are torch's: each such test runs torch's checkpoint and ours on the same case.
-TORCH_AND_OURS = pytest.mark.parametrize("ckpt", [torch_checkpoint, checkpoint], ids=["torch", "mgpu_lab"])
+def our_checkpoint(fn, *args, **kwargs):
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+TORCH_AND_OURS = pytest.mark.parametrize("ckpt", [torch_checkpoint, our_checkpoint], ids=["torch", "mgpu_lab"])
 
 
 class Block(nn.Module):
@@ -61,7 +65,7 @@ def assert_same(a, b):
 def test_checkpoint_gradients_equal_plain_and_torch_with_dropout():
     net, x = stack(n=4, p=0.3), torch.randn(5, 8)
     plain = grads_of(net, net, x)
-    mine = grads_of(lambda h: checkpoint(net, h), net, x)
+    mine = grads_of(lambda h: checkpoint(net, h, use_reentrant=False), net, x)
     ref = grads_of(lambda h: tc.checkpoint(net, h, use_reentrant=False), net, x)
     assert_same(mine, plain)
     assert_same(mine, ref)
@@ -71,7 +75,7 @@ def test_checkpoint_gradients_equal_plain_and_torch_with_dropout():
 
 def test_checkpoint_tied_weights_and_integer_input():
     net, idx = TiedNet(), torch.randint(0, VOCAB, (4, 6))
-    assert_same(grads_of(lambda i: checkpoint(net, i), net, idx), grads_of(net, net, idx))
+    assert_same(grads_of(lambda i: checkpoint(net, i, use_reentrant=False), net, idx), grads_of(net, net, idx))
 
 
 def test_checkpoint_mixed_arguments_and_outputs():
@@ -93,7 +97,7 @@ def test_checkpoint_mixed_arguments_and_outputs():
         ((h ** 2).sum() + s.pow(3).sum()).backward()
         return [h.detach(), s.detach(), xx.grad, bb.grad, lin.weight.grad, lin.bias.grad]
 
-    assert_same(run(checkpoint), run(lambda f, *a, **k: f(*a, **k)))
+    assert_same(run(our_checkpoint), run(lambda f, *a, **k: f(*a, **k)))
 
 
 def test_checkpoint_really_recomputes_and_keeps_only_inputs():
@@ -105,16 +109,16 @@ def test_checkpoint_really_recomputes_and_keeps_only_inputs():
         return net(h)
 
     x = torch.randn(4, 8, requires_grad=True)
-    checkpoint(fn, x).sum().backward()
+    checkpoint(fn, x, use_reentrant=False).sum().backward()
     assert len(calls) == 2  # forward, then once in backward
-    assert saved_tensor_bytes(lambda h: checkpoint(fn, h), x) == x.numel() * x.element_size()
+    assert saved_tensor_bytes(lambda h: checkpoint(fn, h, use_reentrant=False), x) == x.numel() * x.element_size()
     assert saved_tensor_bytes(fn, x) > 8 * x.numel() * x.element_size()
 
 
 def test_rng_state_after_backward_is_untouched():
     net, x = stack(n=2, p=0.5), torch.randn(4, 8)
     draws = []
-    for run in (net, lambda h: checkpoint(net, h)):
+    for run in (net, lambda h: checkpoint(net, h, use_reentrant=False)):
         torch.manual_seed(3)
         run(x.requires_grad_()).sum().backward()
         draws.append(torch.rand(4))
@@ -123,7 +127,7 @@ def test_rng_state_after_backward_is_untouched():
 
 def test_retain_graph_backward_twice():
     net, x = stack(n=2, p=0.2), torch.randn(4, 8)
-    for run in (net, lambda h: checkpoint(net, h)):
+    for run in (net, lambda h: checkpoint(net, h, use_reentrant=False)):
         net.zero_grad()
         torch.manual_seed(0)
         out = run(x).pow(2).sum()
@@ -136,7 +140,8 @@ def test_retain_graph_backward_twice():
 
 def test_nested_checkpoint_and_autocast():
     net, x = stack(n=4, p=0.3), torch.randn(3, 8)
-    nested = lambda h: checkpoint(lambda y: checkpoint(net[2:], checkpoint(net[:2], y)), h)  # noqa: E731
+    ckpt = functools.partial(checkpoint, use_reentrant=False)
+    nested = lambda h: ckpt(lambda y: ckpt(net[2:], ckpt(net[:2], y)), h)  # noqa: E731
     assert_same(grads_of(nested, net, x), grads_of(net, net, x))
 
 
@@ -146,7 +151,7 @@ def test_nested_checkpoint_and_autocast():
                 return run(h)
         return fwd
 
-    assert_same(grads_of(autocast_forward(lambda h: checkpoint(net, h)), net, x),
+    assert_same(grads_of(autocast_forward(lambda h: checkpoint(net, h, use_reentrant=False)), net, x),
                 grads_of(autocast_forward(net), net, x))
 
 
@@ -158,7 +163,7 @@ def test_recompute_that_differs_is_an_error():
         return net(h) if len(calls) == 1 else net[0](h)
 
     with pytest.raises(RuntimeError, match="must do the same operations"):
-        checkpoint(moody, torch.randn(2, 8, requires_grad=True)).sum().backward()
+        checkpoint(moody, torch.randn(2, 8, requires_grad=True), use_reentrant=False).sum().backward()
 
 
 @pytest.mark.parametrize("preserve_rng_state", [True, False])
@@ -184,9 +189,9 @@ def test_torch_keywords_we_do_not_implement_say_what_to_do():
     with pytest.raises(ValueError, match=r"use_reentrant=True\)"):
         checkpoint(net, x, use_reentrant=True)
     with pytest.raises(ValueError, match="determinism_check should be one of"):
-        checkpoint(net, x, determinism_check="strict")
+        checkpoint(net, x, determinism_check="strict", use_reentrant=False)
     with pytest.raises(ValueError, match="debug=True"):
-        checkpoint(net, x, debug=True)
+        checkpoint(net, x, debug=True, use_reentrant=False)
 
 
 @TORCH_AND_OURS
@@ -227,7 +232,7 @@ def test_selective_checkpointing_from_torch_works():
         out.pow(2).sum().backward()
         return [out.detach(), x.grad, w1.grad, w2.grad]
 
-    mine = run(lambda f, h: checkpoint(f, h, context_fn=context_fn))
+    mine = run(lambda f, h: checkpoint(f, h, context_fn=context_fn, use_reentrant=False))
     assert_same(mine, run(lambda f, h: torch_checkpoint(f, h, context_fn=context_fn)))
     assert_same(mine, run(lambda f, h: f(h)))
 
@@ -333,19 +338,19 @@ def test_parameter_gradient_hooks_fire_once():
         ckpt(lin, ckpt(lin, x)).sum().backward()
         return len(fired)
 
-    assert count(checkpoint) == 1
+    assert count(our_checkpoint) == 1
     assert count(lambda f, h: tc.checkpoint(f, h, use_reentrant=True)) == 2
 
 
 @pytest.mark.parametrize("segments", [1, 3, 4, 16])
 def test_checkpoint_sequential_equals_torch(segments):
     net, x = stack(n=16, p=0.2), torch.randn(3, 8)
-    mine = grads_of(lambda h: checkpoint_sequential(net, segments, h), net, x)
+    mine = grads_of(lambda h: checkpoint_sequential(net, segments, h, use_reentrant=False), net, x)
     ref = grads_of(lambda h: tc.checkpoint_sequential(net, segments, h, use_reentrant=False), net, x)
     assert_same(mine, ref)
     assert_same(mine, grads_of(net, net, x))
     x.requires_grad_()
-    assert saved_tensor_bytes(lambda h: checkpoint_sequential(net, segments, h), x) == \
+    assert saved_tensor_bytes(lambda h: checkpoint_sequential(net, segments, h, use_reentrant=False), x) == \
         saved_tensor_bytes(lambda h: tc.checkpoint_sequential(net, segments, h, use_reentrant=False), x)
 
 
@@ -353,19 +358,19 @@ def test_checkpoint_sequential_bad_segments():
     net = stack(n=4)
     for bad in (0, 5, 2.0, True):
         with pytest.raises(ValueError, match="segments must be an int in 1..4"):
-            checkpoint_sequential(net, bad, torch.randn(2, 8))
+            checkpoint_sequential(net, bad, torch.randn(2, 8), use_reentrant=False)
 
 
 def test_saved_bytes_16_blocks_in_4_segments():
     net, x = stack(n=16, width=32), torch.randn(16, 32, requires_grad=True)
     plain = saved_tensor_bytes(net, x)
-    ckpt = saved_tensor_bytes(lambda h: checkpoint_sequential(net, 4, h), x)
+    ckpt = saved_tensor_bytes(lambda h: checkpoint_sequential(net, 4, h, use_reentrant=False), x)
     assert ckpt <= 0.35 * plain, f"checkpointed {ckpt} bytes vs plain {plain}"
 
 
 def test_saved_bytes_scale_with_batch_size():
     net = stack(n=8, width=16)
-    for run in (net, lambda h: checkpoint_sequential(net, 3, h)):
+    for run in (net, lambda h: checkpoint_sequential(net, 3, h, use_reentrant=False)):
         sizes = [saved_tensor_bytes(run, torch.randn(b, 16, requires_grad=True)) for b in (4, 8, 16)]
         assert sizes[1] == 2 * sizes[0] and sizes[2] == 4 * sizes[0], sizes
 
@@ -396,7 +401,9 @@ class Checkpointed(nn.Module):
         self.net, self.segments = net, segments
 
     def forward(self, x):
-        return self.net(x) if self.segments is None else checkpoint_sequential(self.net, self.segments, x)
+        if self.segments is None:
+            return self.net(x)
+        return checkpoint_sequential(self.net, self.segments, x, use_reentrant=False)
 
 
 def tied_stack(p):
@@ -456,9 +463,9 @@ def test_peak_memory_on_gpu():
         return f
 
     plain = peak_memory(step(net))
-    ckpt = peak_memory(step(lambda h: checkpoint_sequential(net, 4, h)))
+    ckpt = peak_memory(step(lambda h: checkpoint_sequential(net, 4, h, use_reentrant=False)))
     assert 0 < ckpt < 0.5 * plain, (ckpt, plain)
-    mine = grads_of(lambda h: checkpoint_sequential(net, 4, h), net, x)
+    mine = grads_of(lambda h: checkpoint_sequential(net, 4, h, use_reentrant=False), net, x)
     assert_same(mine, grads_of(net, net, x))
 
 
@@ -470,6 +477,6 @@ def test_saved_bytes_same_on_cpu_and_gpu():
     x = torch.randn(32, 64, requires_grad=True)
     xs = [x, x.detach().to("cuda:0").requires_grad_()]
     for k in (1, 2, 4):
-        cpu, gpu = (saved_tensor_bytes(lambda h: checkpoint_sequential(net, k, h), xx)
+        cpu, gpu = (saved_tensor_bytes(lambda h: checkpoint_sequential(net, k, h, use_reentrant=False), xx)
                     for net, xx in zip(nets, xs))
         assert cpu == gpu > 0, (k, cpu, gpu)

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import requires_gpus
-from mgpu_lab import (CommStats, allreduce_bytes, bus_bandwidth, launch, naive_allreduce, ring_allreduce,
-                      ring_schedule, simulate_ring_allreduce)
+from mgpu_lab import CommStats, allreduce_bytes, launch, naive_allreduce, ring_allreduce
+from mgpu_lab.parallel.collectives import bus_bandwidth, ring_schedule, simulate_ring_allreduce
 
 SIZES = (0, 1, 3, 7, 1000, 65537, 98304)  # 98304 = 2**15 * 3: divisible by 2, 3 and 4
 DTYPES = (torch.float32, torch.int64)

@@ -187,7 +187,7 @@ def test_bad_input_and_unused_parameter():
 
 def _missing_peer():
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=1))
-    model = BucketedDDP(nn.Linear(3, 3), group=group)
+    model = BucketedDDP(nn.Linear(3, 3), process_group=group)
     if dist.get_rank() == 0:
         try:
             model(torch.ones(1, 3)).sum().backward()  # the end-of-backward callback waits, and fails

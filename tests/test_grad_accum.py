@@ -200,7 +200,8 @@ class _UnknownWrapper(nn.Module):
 
 
 def test_an_unknown_wrapper_is_refused_and_data_parallel_is_one_process():
-    from mgpu_lab import TrainState, unwrap
+    from mgpu_lab import TrainState
+    from mgpu_lab.parallel.wrappers import unwrap
     model = _UnknownWrapper(mlp(0))
     for make in (lambda: GradientAccumulator(model, _sgd(model), 2), lambda: TrainState(model), lambda: unwrap(model)):
         with pytest.raises(TypeError, match="not a data-parallel wrapper mgpu_lab knows"):

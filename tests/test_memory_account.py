@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mgpu_lab import (DataParallel, DataParallelCriterion, DataParallelModel, account_memory, devices,
-                      plot_memory)
+from mgpu_lab import DataParallel, DataParallelCriterion, DataParallelModel, devices
+from mgpu_lab.measure.memory_account import account_memory, plot_memory
 from mgpu_lab.measure import memory_account as acct_mod
 from conftest import ModelOutput, requires_gpus
 

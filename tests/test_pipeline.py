@@ -11,16 +11,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from mgpu_lab import (
+from mgpu_lab import PipelineStage, Schedule1F1B, ScheduleGPipe, launch
+from mgpu_lab.parallel.pipeline import (
     PipelineSchedule,
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
     bubble_fraction,
     check_order,
     gpipe_order,
     held_microbatches,
-    launch,
     one_f_one_b_order,
     simulate_timeline,
 )

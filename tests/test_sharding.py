@@ -20,7 +20,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from conftest import ATOL, RTOL, VOCAB, TiedNet, requires_gpus
-from mgpu_lab import FSDP, NaiveDDP, ShardedOptimizer, launch, partition_parameters, zero_bytes_per_rank
+from mgpu_lab import FSDP, NaiveDDP, ShardedOptimizer, launch
+from mgpu_lab.parallel.sharding import zero_bytes_per_rank
+from mgpu_lab.parallel.zero import partition_parameters
 
 BATCH, SEQ, STEPS = 12, 5, 3
 
@@ -104,7 +106,7 @@ def _sharded_optimizer_cases():
                          for groups in theirs._partition_parameters()],
             trainable={n for n, p in ours_model.module.named_parameters() if p.requires_grad},
             n_state=len(ours.state), state_bytes=state_bytes,
-            lr=[g["lr"] for g in ours.local_optimizer.param_groups],
+            lr=[g["lr"] for g in ours.optim.param_groups],
         )
         out[name]["ref_after_reload"] = [p.detach().clone() for p in ref.parameters()]
     return out
@@ -298,7 +300,7 @@ def test_fsdp_mixed_precision(dtype, reduce_dtype):
 
 def _fsdp_errors():
     res = {}
-    for key, call in {"dtype": lambda: FSDP(nn.Linear(2, 2), compute_dtype=torch.int32),
+    for key, call in {"dtype": lambda: FSDP(nn.Linear(2, 2), param_dtype=torch.int32),
                       "unit": lambda: FSDP(nn.Linear(2, 2), units=[nn.Linear(2, 2)]),
                       "module": lambda: FSDP(lambda x: x),
                       "optimizer": lambda: ShardedOptimizer(nn.Linear(2, 2).parameters(), "adam"),
@@ -342,7 +344,7 @@ def test_fsdp_explicit_units_and_bad_input():
         assert "floating-point" in res["dtype"]
         assert "submodule" in res["unit"]
         assert "nn.Module" in res["module"]
-        assert "optimizer_cls" in res["optimizer"]
+        assert "optimizer_class" in res["optimizer"]
         assert "groups" in res["load"]
         assert "ran twice in one forward" in res["twice"], res["twice"]
         assert res["units"] == {"0": ["0.weight", "0.bias"], "2": ["2.weight", "2.bias"],
@@ -507,7 +509,8 @@ def _zero_like_torch():
     # defaults in the outer groups: a scheduler without an explicit lr; a frozen layer unfrozen later
     runs = {}
     for name, make in {"ours": lambda ps: ShardedOptimizer(ps, optimizer_class=torch.optim.AdamW),
-                       "old_keyword": lambda ps: ShardedOptimizer(ps, optimizer_cls=torch.optim.AdamW),
+                       "bucket_view": lambda ps: ShardedOptimizer(ps, torch.optim.AdamW,
+                                                                  parameters_as_bucket_view=True),
                        "torch": lambda ps: ZeroRedundancyOptimizer(ps, optimizer_class=torch.optim.AdamW)}.items():
         model = DistributedDataParallel(TiedNet(seed=0))
         opt = make(_groups(model.module))
@@ -522,7 +525,7 @@ def _zero_like_torch():
             sched.step()
         runs[name] = dict(groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                           weights={n: p.detach().clone() for n, p in model.module.named_parameters()})
-        if name != "old_keyword":
+        if name != "bucket_view":
             opt.consolidate_state_dict(to=0)
             if rank == 0:
                 runs[name]["sd"] = opt.state_dict()
@@ -556,12 +559,12 @@ def _zero_like_torch():
 
 def test_sharded_optimizer_behaves_as_zero_redundancy_optimizer():
     for rank, res in enumerate(launch(_zero_like_torch, nprocs=2, timeout=120)):
-        ours, old, theirs = res["runs"]["ours"], res["runs"]["old_keyword"], res["runs"]["torch"]
-        assert ours["groups"] == theirs["groups"] == old["groups"], (ours["groups"], theirs["groups"])
+        ours, view, theirs = res["runs"]["ours"], res["runs"]["bucket_view"], res["runs"]["torch"]
+        assert ours["groups"] == theirs["groups"] == view["groups"], (ours["groups"], theirs["groups"])
         assert "betas" in ours["groups"][0] and ours["groups"][0]["lr"] == 1e-3 / (1 + STEPS)  # defaults, scheduled
         for n, w in theirs["weights"].items():
             torch.testing.assert_close(ours["weights"][n], w, rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
-            assert torch.equal(old["weights"][n], ours["weights"][n])
+            assert torch.equal(view["weights"][n], ours["weights"][n])  # parameters_as_bucket_view: the same numbers
         assert res["unfrozen_moved"] > 1e-4  # unfrozen after a step: its owner updates it
         if rank == 0:  # consolidate_state_dict(to=0), then state_dict() on rank 0, as torch
             assert ours["sd"]["param_groups"] == theirs["sd"]["param_groups"]  # the current lr included

@@ -16,9 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import ROOT, VOCAB, TiedNet, assert_no_children
 from mgpu_lab import LossScaler, launch
-from mgpu_lab.training.train_state import (
-    TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint, unwrap,
-)
+from mgpu_lab.parallel.wrappers import unwrap
+from mgpu_lab.training.train_state import TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint
 
 
 def leftovers(folder):

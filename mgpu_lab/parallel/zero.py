@@ -123,7 +123,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated_to: Optional[int] = None
         super().__init__(params, defaults=defaults)
         _check_one_dense_type([p for g in self.param_groups for p in g["params"]])
-        self.optim = optimizer_class([self.optim_group(g) for g in self.param_groups], **defaults)
+        self.optim = optimizer_class([self._local_group(g) for g in self.param_groups], **defaults)
         self.defaults = self.optim.defaults  # every hyper-parameter, for groups added later
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         self.state = self.optim.state  # this rank's parameters only
@@ -148,7 +148,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if self.optim is not None:  # after construction: partition the new group too
             _check_one_dense_type([p for g in self.param_groups for p in g["params"]])
-            self.optim.add_param_group(self.optim_group(self.param_groups[-1]))
+            self.optim.add_param_group(self._local_group(self.param_groups[-1]))
             _copy_hyperparameters(self.optim.param_groups[-1:], self.param_groups[-1:])
             self._build_buckets()
 
@@ -231,7 +231,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         then call ``state_dict()`` there."""
         parts: Optional[List[Any]] = [None] * self.world_size if self.rank == to else None
         dst = to if self.process_group is None else dist.get_global_rank(self.process_group, to)
-        dist.gather_object(self.optim_state(), parts, dst=dst, group=self.process_group)
+        dist.gather_object(self._local_state(), parts, dst=dst, group=self.process_group)
         self._consolidated = {i: s for part in parts for i, s in part.items()} if parts is not None else None
         self._consolidated_to = to
 
@@ -244,7 +244,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"the state was consolidated on rank {self._consolidated_to} "
                                    f"(consolidate_state_dict(to={self._consolidated_to})): call state_dict() there")
             parts: List[Any] = [None] * self.world_size
-            dist.all_gather_object(parts, self.optim_state(), group=self.process_group)
+            dist.all_gather_object(parts, self._local_state(), group=self.process_group)
             state = {i: s for part in parts for i, s in part.items()}
         index = self._global_index()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
