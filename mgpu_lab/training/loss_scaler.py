@@ -71,6 +71,8 @@ class LossScaler:
     int32) are 0-dim tensors on the loss's device, created by the first
     ``scale()``; the update runs as tensor ops, without a sync.
 
+    The signature is ``torch.amp.GradScaler``'s, ``device`` first (accepted for torch's calls, such as
+    ``LossScaler("cuda")``; the scale is created on the device of the first loss it scales).
     ``group``: the process group whose ranks skip together (default: the
     default group when ``torch.distributed`` is initialised); ``sync_ranks=False``
     turns the all-reduce off. With ``enabled=False`` every method is a no-op
@@ -78,9 +80,13 @@ class LossScaler:
     fp32, bf16 and fp16 runs.
     """
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+    def __init__(self, device: Optional[str] = None, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
                  *, group=None, sync_ranks: bool = True):
+        if device is not None and not isinstance(device, (str, torch.device)):
+            raise TypeError(f"LossScaler(device, init_scale=..., ...): device is torch.amp.GradScaler's first argument, "
+                            f"a device type such as 'cuda'; got {device!r} (pass init_scale= by keyword)")
+        self.device = device  # torch's argument; the scale lives on the device of the first loss scaled
         self._enabled = bool(enabled)
         if self._enabled:
             if growth_factor <= 1.0:

@@ -29,7 +29,7 @@ def splits_the_gathered_output(solution):
 def redefines_account_memory(solution):
     "a stand-in for account_memory (a name the check uses) that charges nothing, over a gathering forward"
     return prepend(body(solution, "return list(DataParallel(module, devices)(x).split(-(-len(x) // len(devices))))"), """
-        account_memory = lambda fn, devices: mgpu_lab.account_memory(lambda: None, devices)
+        account_memory = lambda fn, devices: mgpu_lab.measure.memory_account.account_memory(lambda: None, devices)
     """)
 
 

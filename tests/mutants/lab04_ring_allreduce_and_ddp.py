@@ -103,7 +103,7 @@ def naive_ddps_own_sync(solution):
         from mgpu_lab import NaiveDDP
         params = [p for p in model.parameters() if p.requires_grad]
         NaiveDDP.finish_gradient_synchronization(SimpleNamespace(
-            require_backward_grad_sync=True, _params=params, group=None, world_size=world))
+            require_backward_grad_sync=True, _params=params, process_group=None, world_size=world))
     """)
 
 
@@ -208,7 +208,7 @@ def naive_ddps_sync_after_backward(solution):
         from types import SimpleNamespace
         from mgpu_lab import NaiveDDP
         NaiveDDP.finish_gradient_synchronization(SimpleNamespace(
-            require_backward_grad_sync=True, _params=list(self.bucket_of), group=None,
+            require_backward_grad_sync=True, _params=list(self.bucket_of), process_group=None,
             world_size=dist.get_world_size()))
     """), "pass")
 

@@ -117,7 +117,7 @@ def fewest_segments_that_fit(solution):
     "the smallest k that fits: fewer segments is not less recomputation"
     return body(solution, """
         for k in range(1, n + 1):
-            if saved_tensor_bytes(lambda h: checkpoint_sequential(blocks, k, h), x) <= budget_bytes:
+            if saved_tensor_bytes(lambda h: checkpoint_sequential(blocks, k, h, use_reentrant=False), x) <= budget_bytes:
                 return k
         return None
     """)
@@ -127,7 +127,7 @@ def fewest_segments_that_fit(solution):
 def copies_the_best_even_split_of_section_4(solution):
     "section 4's 'best even split' (least memory among k dividing n), among those that fit"
     return body(solution, """
-        saved = {k: saved_tensor_bytes(lambda h: checkpoint_sequential(blocks, k, h), x) for k in range(1, n + 1)}
+        saved = {k: saved_tensor_bytes(lambda h: checkpoint_sequential(blocks, k, h, use_reentrant=False), x) for k in range(1, n + 1)}
         even = [k for k in saved if n % k == 0 and saved[k] <= budget_bytes]
         return min(even, key=saved.get) if even else None
     """)
@@ -153,14 +153,14 @@ def divides_by_the_number_of_micro_batches(solution):
     return body(solution, """
         parts = list(zip(x.split(micro_batch), y.split(micro_batch)))
         for xs, ys in parts:
-            (F.mse_loss(checkpoint_sequential(blocks, segments, xs), ys) / len(parts)).backward()
+            (F.mse_loss(checkpoint_sequential(blocks, segments, xs, use_reentrant=False), ys) / len(parts)).backward()
     """)
 
 
 @mutant("ex4_accumulate", "copy")
 def one_checkpointed_forward_of_the_whole_batch(solution):
     "section 7's call on the whole batch: one forward, one backward, no micro-batches"
-    return body(solution, "F.mse_loss(checkpoint_sequential(blocks, segments, x), y).backward()")
+    return body(solution, "F.mse_loss(checkpoint_sequential(blocks, segments, x, use_reentrant=False), y).backward()")
 
 
 @mutant("ex4_accumulate", "tamper")

@@ -31,10 +31,10 @@ def round_robin_as_the_text_describes(solution):
 
 @mutant("ex1_partition", "tamper")
 def patches_partition_parameters(solution):
-    "mgpu_lab.partition_parameters patched to agree with a round-robin answer"
+    "mgpu_lab.parallel.zero.partition_parameters patched to agree with a round-robin answer"
     return prepend(round_robin_as_the_text_describes(solution), """
-        import mgpu_lab
-        mgpu_lab.partition_parameters = lambda sizes, n: [list(range(r, len(sizes), n)) for r in range(n)]
+        import mgpu_lab.parallel.zero
+        mgpu_lab.parallel.zero.partition_parameters = lambda sizes, n: [list(range(r, len(sizes), n)) for r in range(n)]
     """)
 
 
@@ -52,7 +52,8 @@ def shares_with_sharded_optimizers_code(solution):
     return body(solution, """
         local_optimizer.step()
         parts = [[p for p, o in zip(params, owner) if o == r] for r in range(world)]
-        stand_in = types.SimpleNamespace(partition=parts, group=None, rank=rank)
+        stand_in = types.SimpleNamespace(partition=parts, process_group=None, rank=rank, param_groups=[], _trainable=[],
+                                         parameters_as_bucket_view=False)
         ShardedOptimizer._share_parameters(stand_in)
     """)
 
@@ -194,10 +195,10 @@ def the_papers_bytes_from_section_1(solution):
 
 @mutant("ex5_memory_plan", "tamper")
 def patches_zero_bytes_per_rank(solution):
-    "mgpu_lab.zero_bytes_per_rank patched, and the formula answer"
+    "mgpu_lab.parallel.sharding.zero_bytes_per_rank patched, and the formula answer"
     return prepend(the_formula_without_granularity(solution), """
-        import mgpu_lab
-        mgpu_lab.zero_bytes_per_rank = lambda *args, **kwargs: 0
+        import mgpu_lab.parallel.sharding
+        mgpu_lab.parallel.sharding.zero_bytes_per_rank = lambda *args, **kwargs: 0
     """)
 
 

@@ -62,7 +62,7 @@ def warm_up_num_stages_everywhere(solution):
 
 @mutant("one_f_one_b", "reference")
 def calls_one_f_one_b_order(solution):
-    "mgpu_lab.one_f_one_b_order, the order the exercise re-implements"
+    "mgpu_lab.parallel.pipeline.one_f_one_b_order, the order the exercise re-implements"
     return body(solution, "return one_f_one_b_order(stage_index, num_stages, n_microbatches)")
 
 
@@ -106,7 +106,7 @@ def tries_only_the_demos_m(solution):
 
 @mutant("choose_microbatches", "tamper")
 def patches_held_microbatches(solution):
-    "mgpu_lab.held_microbatches patched to count one micro-batch, and the wrong GPipe rule"
+    "mgpu_lab.parallel.pipeline.held_microbatches patched to count one micro-batch, and the wrong GPipe rule"
     return prepend(swap(solution, "if m * per_microbatch <= budget_bytes:", "if per_microbatch <= budget_bytes:"), """
-        mgpu_lab.held_microbatches = lambda timeline: 1
+        mgpu_lab.parallel.pipeline.held_microbatches = lambda timeline: 1
     """)
