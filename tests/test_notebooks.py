@@ -211,3 +211,32 @@ def test_readme_lab_table_matches_the_notebooks():
         points = sum(c.metadata["nbgrader"]["points"] for c in tests.values())
         want[path.stem[:2]] = f"{len(exercises)} ({points:g})"
     assert rows == want, f"README says {rows}, the notebooks have {want}"
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_reimplemented_reference_names_an_object():
+    """A dotted ``reimplements`` name that names nothing guards nothing at run time (a teaching tool moved out
+    of the top level is named by its module: ``mgpu_lab.parallel.zero.partition_parameters``). A name without
+    a dot is one of the notebook's own functions (lab 09's ``mgpu_loop``), checked statically."""
+    missing = []
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            for name in (cell.metadata.get("mgpu_lab") or {}).get("reimplements") or []:
+                if "." in name and not _resolves(name):
+                    missing.append(f"{path.stem}: {name}")
+    assert not missing, missing
