@@ -71,8 +71,7 @@ DESIGN_PUBLIC_API = {
     "checkpoint", "checkpoint_sequential", "saved_tensor_bytes", "peak_memory",
     "save_checkpoint", "load_checkpoint",
 }
-# Lab 11 and 12's modules (tensor and pipeline parallelism) are not in the library yet: once one of
-# these names is importable from mgpu_lab it must be in __all__ too (and leave this set).
+# The whole top level, grouped by concept, is PLAN.md's list: tests/test_torch_signatures.py checks it.
 
 
 def test_all_lists_the_public_api_and_every_name_imports():
