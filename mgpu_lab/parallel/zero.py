@@ -77,11 +77,11 @@ def partition_parameters(sizes: Sequence[int], world_size: int) -> List[List[int
 def _check_one_dense_type(params: List[torch.Tensor]) -> None:
     """torch's ZeroRedundancyOptimizer's rule: every parameter of one dense type (dtype and device
     kind), so each rank's parameters travel as one flat buffer."""
-    types = sorted({torch.typename(p) for p in params})
+    types = sorted({torch.typename(p) for p in params})  # torch.FloatTensor, torch.cuda.HalfTensor, ...
     if any(p.is_sparse for p in params) or len(types) > 1:
         raise ValueError(f"ShardedOptimizer (as torch's ZeroRedundancyOptimizer) supports only parameters of one "
-                         f"dense type, got {' and '.join(types)}{' (sparse)' if any(p.is_sparse for p in params) else ''}: "
-                         "give it the parameters of one dtype and device (e.g. two optimizers, one per dtype)")
+                         f"dense type, got {' and '.join(types)}: give it parameters of one dtype and device, "
+                         "dense (e.g. one optimizer per dtype)")
 
 
 def _copy_hyperparameters(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) -> None:
@@ -109,7 +109,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: build the optimizer inside "
                                "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
-        params = list(params) if not isinstance(params, torch.Tensor) else params  # torch's TypeError for a tensor
         self.process_group = process_group
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.optimizer_class = optimizer_class
