@@ -8,7 +8,7 @@ The library is in four packages, and the arrows run one way::
 
     runtime/   where code runs: devices, the process group, launch, torchrun, doctor
     parallel/  how work is split: data_parallel, parallel_criterion, collectives, ddp, zero, fsdp,
-               tensor_parallel, pipeline
+               tensor_parallel, pipeline, context_parallel, moe, expert_parallel
     training/  the training step: amp, grad_accum, checkpointing, train_state
     measure/   instruments that observe from outside: memory accounting, collective trace, timing
 
@@ -105,6 +105,11 @@ from .parallel.pipeline import (
     bubble_fraction,
 )
 
+# --- parallel: context parallelism (ring attention) and expert parallelism (mixture of experts) ---
+from .parallel.context_parallel import ring_attention
+from .parallel.moe import MoE
+from .parallel.expert_parallel import ExpertParallelMoE
+
 __all__ = [
     # runtime
     "backend", "devices", "DistEnv", "cleanup", "dist_env", "distributed_loader", "init_distributed",
@@ -131,4 +136,6 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "check_order",
     "gpipe_order", "held_microbatches", "one_f_one_b_order", "simulate_timeline", "bubble_fraction",
+    # context and expert parallelism
+    "ring_attention", "MoE", "ExpertParallelMoE",
 ]

@@ -1,0 +1,213 @@
+"""Context parallelism: ring attention, the sequence split across ranks for attention itself.
+
+Sequence parallelism (lab 11) splits the norms and dropout along the sequence but gathers
+the whole sequence before attention: every rank then holds the keys and values of all S
+tokens and an ``s x S`` block of scores. Ring attention never gathers. Rank r holds its
+queries, keys and values (``s = S/N`` positions); the key/value blocks travel around the
+ring (rank r sends to r+1 and receives from r-1), and after N steps each rank has attended
+its queries to every block. Each step's partial result is merged into the running one by
+the **log-sum-exp** (the online softmax): with ``lse`` the log of a row's softmax
+denominator over the keys seen so far,
+
+    lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+is exactly the attention over the keys of a and b together. The next block's receive is
+posted before the current block is computed: communication hides behind computation.
+
+Backward runs the same ring. Each rank recomputes a block's probabilities from the saved
+``lse`` (nothing ``s x S`` is kept), adds its queries' contribution to that block's key and
+value gradients, and passes those gradients on with the block: after the ring, each block's
+dK and dV, summed over every rank's queries, are back with their owner.
+
+Memory per rank: q, k, v, the output and two blocks in flight, O(s) — and one ``s x s``
+block of scores at a time, where the gathered attention holds O(S) keys and values (and
+``s x S`` scores without a fused kernel). Communication per rank and step: one block of k
+and v forward; k, v and their gradients backward.
+
+Causal masks: with the contiguous layout rank r skips the blocks of later ranks, so the
+last rank works N - 1/2 blocks and the first 1/2; ``layout="zigzag"`` balances it
+(``sequence_layout``). ``timeline=[]`` records each rank's spans: compute, the time blocked
+waiting for a block (communication not hidden) and each message's flight.
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .sequence_layout import local_positions
+
+Block = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # rows, cols, mask
+
+
+class _Exchange:
+    """Send ``tensors`` to the next rank of the ring and receive as many from the previous one.
+
+    Posted at once, waited for later (``wait``): what happens in between overlaps the transfer."""
+
+    def __init__(self, tensors: List[torch.Tensor], group):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        self.sent = [t.contiguous() for t in tensors]   # kept alive until the sends complete
+        self.bufs = [torch.empty_like(t) for t in self.sent]
+        self.posted = time.perf_counter()
+        if self.sent[0].is_cuda:  # NCCL: one group, so that a send and a receive between two GPUs cannot block
+            ops = [dist.P2POp(dist.isend, t, group=group, group_peer=nxt) for t in self.sent]
+            self.works = dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, b, group=group, group_peer=prv)
+                                                       for b in self.bufs])
+        else:
+            self.works = [dist.isend(t, group=group, group_dst=nxt) for t in self.sent]
+            self.works += [dist.irecv(b, group=group, group_src=prv) for b in self.bufs]
+
+    def wait(self, timer, step) -> List[torch.Tensor]:
+        start = time.perf_counter()
+        for w in self.works:
+            w.wait()
+        timer.span("wait", step, start)
+        timer.span("comm", step, self.posted)
+        return self.bufs
+
+
+def _block(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> Optional[Block]:
+    """Which query rows and key columns of a block have work, and the mask between them.
+
+    ``None``: nothing to compute (every key is later than every query). A ``None`` entry
+    means all rows / all columns / no mask."""
+    if not causal:
+        return None, None, None
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    rows, cols = allowed.any(1), allowed.any(0)
+    if not rows.any():
+        return None
+    sub = allowed[rows][:, cols]
+    return (None if rows.all() else rows.nonzero().squeeze(1), None if cols.all() else cols.nonzero().squeeze(1),
+            None if sub.all() else sub)
+
+
+def _take(t: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
+    return t if idx is None else t.index_select(-2, idx)
+
+
+def _scores(q, k, scale, mask):
+    s = (q @ k.transpose(-2, -1)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _merge(out, lse, rows, out_b, lse_b):
+    """Merge a block's (out_b, lse_b) into the running (out, lse) on ``rows`` (in place)."""
+    o, l = _take(out, rows), (lse if rows is None else lse.index_select(-1, rows))
+    new = torch.logaddexp(l, lse_b)
+    o = o * torch.exp(l - new).unsqueeze(-1) + out_b * torch.exp(lse_b - new).unsqueeze(-1)
+    if rows is None:
+        out.copy_(o), lse.copy_(new)
+    else:
+        out.index_copy_(-2, rows, o), lse.index_copy_(-1, rows, new)
+
+
+class _Timer:
+    """Appends ``(phase, kind, step, start, end)`` to ``timeline`` (a no-op without one)."""
+
+    def __init__(self, timeline, phase):
+        self.timeline, self.phase = timeline, phase
+
+    def span(self, kind, step, start):
+        if self.timeline is not None:
+            self.timeline.append((self.phase, kind, step, start, time.perf_counter()))
+
+
+class _RingAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, group, layout, scale, timeline):
+        n, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[-2]
+        q_pos = local_positions(r, n, s, layout).to(q.device)
+        qf = q.float()
+        out = torch.zeros_like(qf)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        timer, kv = _Timer(timeline, "forward"), [k, v]
+        for i in range(n):
+            if i < n - 1:
+                incoming = _Exchange(kv, group)          # the next block is on its way ...
+            block = _block(q_pos, local_positions((r - i) % n, n, s, layout).to(q.device), causal)
+            start = time.perf_counter()
+            if block is not None:                        # ... while this one is computed
+                rows, cols, mask = block
+                sc = _scores(_take(qf, rows), _take(kv[0], cols).float(), scale, mask)
+                lse_b = torch.logsumexp(sc, -1)
+                _merge(out, lse, rows, torch.exp(sc - lse_b.unsqueeze(-1)) @ _take(kv[1], cols).float(), lse_b)
+            timer.span("compute", i, start)
+            if i < n - 1:
+                kv = incoming.wait(timer, i)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.config = causal, group, layout, scale, timeline
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, group, layout, scale, timeline = ctx.config
+        n, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[-2]
+        q_pos = local_positions(r, n, s, layout).to(q.device)
+        qf, dout = q.float(), dout.float()
+        delta = (dout * out).sum(-1)                     # rowsum(dO * O), for the softmax's backward
+        dq = torch.zeros_like(qf)
+        timer, kv, grads = _Timer(timeline, "backward"), [k, v], None
+        for i in range(n):
+            if i < n - 1:
+                incoming = _Exchange(kv, group)
+            block = _block(q_pos, local_positions((r - i) % n, n, s, layout).to(q.device), causal)
+            start = time.perf_counter()
+            dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device)
+            if block is not None:
+                rows, cols, mask = block
+                kb, vb = _take(kv[0], cols).float(), _take(kv[1], cols).float()
+                qb, dob = _take(qf, rows), _take(dout, rows)
+                lse_b, delta_b = (lse, delta) if rows is None else (lse[..., rows], delta[..., rows])
+                p = torch.exp(_scores(qb, kb, scale, mask) - lse_b.unsqueeze(-1))   # the block's probabilities
+                ds = p * (dob @ vb.transpose(-2, -1) - delta_b.unsqueeze(-1))
+                if rows is None:
+                    dq += (ds @ kb) * scale
+                else:
+                    dq.index_add_(-2, rows, (ds @ kb) * scale)
+                dkb, dvb = (ds.transpose(-2, -1) @ qb) * scale, p.transpose(-2, -1) @ dob
+                if cols is None:
+                    dk, dv = dkb, dvb
+                else:
+                    dk.index_copy_(-2, cols, dkb), dv.index_copy_(-2, cols, dvb)
+            timer.span("compute", i, start)
+            if grads is not None:                        # this block's gradients from the ranks before ...
+                dk_in, dv_in = grads.wait(timer, i)
+                dk, dv = dk + dk_in, dv + dv_in
+            grads = _Exchange([dk, dv], group)           # ... passed on with our part added
+            if i < n - 1:
+                kv = incoming.wait(timer, i)
+        dk, dv = grads.wait(timer, n)                    # after N steps: this rank's own block, complete
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, group=None,
+                   layout: str = "contiguous", scale: Optional[float] = None,
+                   timeline: Optional[list] = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` over the whole sequence, each rank holding a part of it.
+
+    ``q``, ``k``, ``v``: this rank's ``[batch, heads, seq_local, head_dim]`` (SDPA's layout), the
+    positions ``layout`` gives it (``"contiguous"``: rank r holds ``r*s ... (r+1)*s - 1``;
+    ``"zigzag"``: chunks r and 2N-1-r of 2N; ``sequence_layout.shard_sequence`` cuts a full
+    sequence either way). Returns this rank's rows of the output. Backward gives each rank the
+    gradients of its q, k and v, k's and v's summed over every rank's queries. Every rank of
+    ``group`` calls it with the same shapes. ``timeline``: a list that receives this rank's
+    ``(phase, kind, step, start, end)`` spans, kind "compute", "wait" or "comm".
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("ring_attention needs a process group: call it inside mgpu_lab.launch(...) "
+                           "or after mgpu_lab.init_distributed()")
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
+        raise ValueError("ring_attention: q, k, v are [batch, heads, seq_local, head_dim] with the same batch, heads "
+                         f"and sequence (k with q's head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if layout == "zigzag" and q.shape[-2] % 2:
+        raise ValueError(f"the zigzag layout holds two equal chunks per rank: seq_local ({q.shape[-2]}) must be even")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(q, k, v, causal, group, layout, scale, timeline)
