@@ -80,7 +80,9 @@ def test_bad_arguments_are_clear_errors():
 
 def _ep(capacity_factor):
     r, n = dist.get_rank(), dist.get_world_size()
-    ep = ExpertParallelMoE.from_moe(_moe(capacity_factor, seed=r))   # rank 0's weights reach everyone
+    moe = _moe(capacity_factor, seed=r)
+    moe(torch.randn(3, HIDDEN))                                      # a layer that has run: aux_loss is set
+    ep = ExpertParallelMoE.from_moe(moe)                             # rank 0's weights reach everyone
     g = torch.Generator().manual_seed(1)
     x, grad = torch.randn(n, T + n, HIDDEN, generator=g), torch.randn(n, T + n, HIDDEN, generator=g)
     mine = x[r, : T + r].clone().requires_grad_()                    # ranks with different token counts
@@ -128,6 +130,25 @@ def test_expert_parallel_issues_one_count_all_gather_and_two_all_to_alls_each_wa
     for *_, forward, everything in results:
         assert forward == ["all-gather", "all-to-all", "all-to-all"], forward
         assert everything == forward + ["all-to-all", "all-to-all"], everything
+
+
+def _idle_experts():
+    """All tokens routed to rank 0's experts; the inputs need no gradient, the experts do."""
+    r = dist.get_rank()
+    moe = _moe()
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[:2, 0] = torch.tensor([2.0, 1.0])
+    ep = ExpertParallelMoE.from_moe(moe)
+    x = torch.rand(T, HIDDEN, generator=torch.Generator().manual_seed(r)) + 1   # positive: experts 0 and 1 win
+    ep(x).sum().backward()
+    return ep.stats["received"], [p.grad is None for p in ep.experts.parameters()]
+
+
+def test_ranks_whose_experts_got_no_tokens_still_join_the_backward():
+    results = launch(_idle_experts, nprocs=4, timeout=60, collective_timeout=30)
+    assert results[0][0] == [T * K] * 4 and results[1][0] == [0, 0, 0, 0]
+    assert not any(results[0][1]) and all(results[3][1])
 
 
 def _uneven():

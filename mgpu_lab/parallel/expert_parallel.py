@@ -27,8 +27,7 @@ balanced router, ``(N-1)/N * T_r * k * h * b`` each way. ``stats`` records what 
 """
 from __future__ import annotations
 
-import copy
-from typing import List
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,24 +39,33 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 class _AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` with split sizes; backward sends the gradients back the same way."""
+    """``dist.all_to_all_single`` with split sizes; backward sends the gradients back the same way.
+
+    ``anchors``: tensors the output does not depend on. A backward collective runs only on the
+    ranks whose output requires grad; a rank whose experts received no rows would otherwise
+    skip it while the others wait. An anchor that requires grad on every rank (the router's
+    weight, in training) makes every rank's output require grad, and join the backward."""
 
     @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group):
-        ctx.args = send_splits, recv_splits, group
+    def forward(ctx, x, send_splits, recv_splits, group, *anchors):
+        ctx.args = send_splits, recv_splits, group, len(anchors)
         out = x.new_empty((sum(recv_splits),) + x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        send_splits, recv_splits, group = ctx.args
-        return _AllToAll.apply(grad.contiguous(), recv_splits, send_splits, group), None, None, None
+        send_splits, recv_splits, group, anchors = ctx.args
+        return (_AllToAll.apply(grad.contiguous(), recv_splits, send_splits, group),) + (None,) * (3 + anchors)
 
 
-def all_to_all(x: torch.Tensor, send_splits: List[int], recv_splits: List[int], group=None) -> torch.Tensor:
-    """Rows ``x[sum(send_splits[:d]) : ...]`` go to rank d; the rows from rank s arrive in order (differentiable)."""
-    return _AllToAll.apply(x, list(send_splits), list(recv_splits), group)
+def all_to_all(x: torch.Tensor, send_splits: List[int], recv_splits: List[int], group=None,
+               anchors: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """Rows ``x[sum(send_splits[:d]) : ...]`` go to rank d; the rows from rank s arrive in order (differentiable).
+
+    Every rank must take part in the backward exchange too: pass ``anchors`` (see ``_AllToAll``)
+    when what a rank sends may not require grad on every rank."""
+    return _AllToAll.apply(x, list(send_splits), list(recv_splits), group, *anchors)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -91,7 +99,9 @@ class ExpertParallelMoE(nn.Module):
         if E % n:
             raise ValueError(f"{E} experts cannot be split evenly over {n} ranks: choose a number of "
                              f"experts divisible by the expert-parallel size")
-        full = copy.deepcopy(moe)
+        weight = moe.router.weight
+        full = MoE(moe.hidden, moe.ffn, E, moe.top_k, moe.capacity_factor).to(weight.device, weight.dtype)
+        full.load_state_dict(moe.state_dict())                       # a copy: the plain layer stays as it was
         src = 0 if group is None else dist.get_global_rank(group, 0)
         with torch.no_grad():
             for p in full.parameters():
@@ -137,6 +147,6 @@ class ExpertParallelMoE(nn.Module):
         done = torch.empty_like(done).index_copy(0, regroup, done) if len(done) else done
 
         # 4. combine: outputs back to their tokens' ranks, weighted, summed per token
-        back = all_to_all(done, recv, send, group)
+        back = all_to_all(done, recv, send, group, anchors=[self.router.weight])   # every rank joins its backward
         out = torch.zeros_like(tokens).index_add(0, token, back * weights[token, slot].unsqueeze(-1).to(back.dtype))
         return out.reshape(x.shape)

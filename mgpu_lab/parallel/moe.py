@@ -104,7 +104,8 @@ class MoE(nn.Module):
             raise ValueError(f"top_k must be between 1 and num_experts ({num_experts}), got {top_k}")
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be positive (or None: unlimited), got {capacity_factor}")
-        self.hidden, self.num_experts, self.top_k, self.capacity_factor = hidden, num_experts, top_k, capacity_factor
+        self.hidden, self.ffn, self.num_experts = hidden, ffn, num_experts
+        self.top_k, self.capacity_factor = top_k, capacity_factor
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden, ffn) for _ in range(num_experts))
         self.aux_loss: Optional[torch.Tensor] = None
