@@ -47,6 +47,18 @@ def test_ring_attention_equals_sdpa_forward_and_backward(n):
                 f"{n} ranks, causal={causal}, {layout}: {name} differs by {(a - b).abs().max():.2e}"
 
 
+def test_ring_attention_in_float64_takes_the_matrix_product_path():
+    """No fused CPU kernel for float64: the blocks are matrix products (the path GPUs take)."""
+    results = launch(lambda: _ring_cases(torch.float64), nprocs=2, timeout=120)
+    for causal, layout in CASES:
+        q, k, v, grad = (t.requires_grad_() for t in _inputs(2, torch.float64))
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        want.backward(grad)
+        got = [unshard_sequence([res[causal, layout][i] for res in results], layout) for i in range(4)]
+        for a, b in zip(got, (want, q.grad, k.grad, v.grad)):
+            assert a.dtype == torch.float64 and torch.allclose(a, b, atol=1e-12), (causal, layout)
+
+
 def test_ring_attention_in_bfloat16_keeps_the_dtype_and_accumulates_in_float32():
     results = launch(lambda: _ring_cases(torch.bfloat16), nprocs=2, timeout=120)
     for causal, layout in CASES:

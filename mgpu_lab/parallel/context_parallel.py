@@ -2,7 +2,7 @@
 
 Sequence parallelism (lab 11) splits the norms and dropout along the sequence but gathers
 the whole sequence before attention: every rank then holds the keys and values of all S
-tokens and an ``s x S`` block of scores. Ring attention never gathers. Rank r holds its
+tokens (and, without a fused kernel, an ``s x S`` block of scores). Ring attention never gathers. Rank r holds its
 queries, keys and values (``s = S/N`` positions); the key/value blocks travel around the
 ring (rank r sends to r+1 and receives from r-1), and after N steps each rank has attended
 its queries to every block. Each step's partial result is merged into the running one by
@@ -19,10 +19,12 @@ Backward runs the same ring. Each rank recomputes a block's probabilities from t
 value gradients, and passes those gradients on with the block: after the ring, each block's
 dK and dV, summed over every rank's queries, are back with their owner.
 
-Memory per rank: q, k, v, the output and two blocks in flight, O(s) — and one ``s x s``
-block of scores at a time, where the gathered attention holds O(S) keys and values (and
-``s x S`` scores without a fused kernel). Communication per rank and step: one block of k
-and v forward; k, v and their gradients backward.
+Each block is one attention call that also returns its lse: on CPU (fp32, bf16) torch's fused
+flash-attention kernel, which keeps no block of scores; elsewhere (GPUs, fp64) matrix products,
+which hold one ``s x s`` block of scores at a time. (torch's ``context_parallel`` uses the fused
+CUDA kernels on GPUs.) Memory per rank: q, k, v, the output, its lse and two blocks in flight,
+O(s); the gathered attention holds the keys and values of all S positions. Communication per
+rank and step: one block of k and v forward; k, v and their gradients backward.
 
 Causal masks: with the contiguous layout rank r skips the blocks of later ranks, so the
 last rank works N - 1/2 blocks and the first 1/2; ``layout="zigzag"`` balances it
@@ -73,8 +75,9 @@ class _Exchange:
 def _block(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> Optional[Block]:
     """Which query rows and key columns of a block have work, and the mask between them.
 
-    ``None``: nothing to compute (every key is later than every query). A ``None`` entry
-    means all rows / all columns / no mask."""
+    ``None``: nothing to compute (every key is later than every query). Otherwise ``(rows,
+    cols, mask)``: ``None`` for all rows / all columns; mask ``None`` (every pair allowed),
+    ``"causal"`` (queries and keys at the same positions: SDPA's ``is_causal``) or a bool tensor."""
     if not causal:
         return None, None, None
     allowed = k_pos[None, :] <= q_pos[:, None]
@@ -82,17 +85,55 @@ def _block(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> Optional[B
     if not rows.any():
         return None
     sub = allowed[rows][:, cols]
-    return (None if rows.all() else rows.nonzero().squeeze(1), None if cols.all() else cols.nonzero().squeeze(1),
-            None if sub.all() else sub)
+    mask = None if sub.all() else "causal" if torch.equal(q_pos[rows], k_pos[cols]) else sub
+    return None if rows.all() else rows.nonzero().squeeze(1), None if cols.all() else cols.nonzero().squeeze(1), mask
 
 
 def _take(t: torch.Tensor, idx: Optional[torch.Tensor]) -> torch.Tensor:
     return t if idx is None else t.index_select(-2, idx)
 
 
+def _fused(q: torch.Tensor, mask) -> bool:
+    """Use the CPU flash-attention kernel (no block of scores in memory)? On GPUs, and for an
+    arbitrary mask, the blocks are computed with matrix products instead."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and not torch.is_tensor(mask)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the precision partial results are accumulated in: fp32, or fp64 for fp64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _scores(q, k, scale, mask):
-    s = (q @ k.transpose(-2, -1)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+    s = (_wide(q) @ _wide(k).transpose(-2, -1)) * scale
+    if mask is None:
+        return s
+    if not torch.is_tensor(mask):  # "causal"
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    return s.masked_fill(~mask, float("-inf"))
+
+
+def _attend(q, k, v, scale, mask):
+    """``(out, lse)`` of the queries over one block of keys, in fp32."""
+    if _fused(q, mask):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, mask is not None,
+                                                                             scale=scale)
+        return out.float(), lse
+    s = _scores(q, k, scale, mask)
+    lse = torch.logsumexp(s, -1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ _wide(v), lse
+
+
+def _attend_backward(dout, q, k, v, out, lse, scale, mask):
+    """``(dq, dk, dv)`` of one block, given the whole output and lse of the queries (fp32)."""
+    if _fused(q, mask):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, 0.0, mask is not None, scale=scale)
+        return [g.float() for g in grads]
+    q, k, v = _wide(q), _wide(k), _wide(v)
+    p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))                 # the block's probabilities
+    ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ dout
 
 
 def _merge(out, lse, rows, out_b, lse_b):
@@ -123,9 +164,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, group, layout, scale, timeline):
         n, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[-2]
         q_pos = local_positions(r, n, s, layout).to(q.device)
-        qf = q.float()
-        out = torch.zeros_like(qf)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        wide = torch.promote_types(q.dtype, torch.float32)   # partial results accumulate in fp32 (fp64 for fp64)
+        out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=wide, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=wide, device=q.device)
         timer, kv = _Timer(timeline, "forward"), [k, v]
         for i in range(n):
             if i < n - 1:
@@ -134,9 +175,7 @@ class _RingAttention(torch.autograd.Function):
             start = time.perf_counter()
             if block is not None:                        # ... while this one is computed
                 rows, cols, mask = block
-                sc = _scores(_take(qf, rows), _take(kv[0], cols).float(), scale, mask)
-                lse_b = torch.logsumexp(sc, -1)
-                _merge(out, lse, rows, torch.exp(sc - lse_b.unsqueeze(-1)) @ _take(kv[1], cols).float(), lse_b)
+                _merge(out, lse, rows, *_attend(_take(q, rows), _take(kv[0], cols), _take(kv[1], cols), scale, mask))
             timer.span("compute", i, start)
             if i < n - 1:
                 kv = incoming.wait(timer, i)
@@ -150,29 +189,25 @@ class _RingAttention(torch.autograd.Function):
         causal, group, layout, scale, timeline = ctx.config
         n, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[-2]
         q_pos = local_positions(r, n, s, layout).to(q.device)
-        qf, dout = q.float(), dout.float()
-        delta = (dout * out).sum(-1)                     # rowsum(dO * O), for the softmax's backward
-        dq = torch.zeros_like(qf)
+        dout, wide = _wide(dout), out.dtype
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
         timer, kv, grads = _Timer(timeline, "backward"), [k, v], None
         for i in range(n):
             if i < n - 1:
                 incoming = _Exchange(kv, group)
             block = _block(q_pos, local_positions((r - i) % n, n, s, layout).to(q.device), causal)
             start = time.perf_counter()
-            dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device)
+            dk = torch.zeros(kv[0].shape, dtype=wide, device=q.device)
+            dv = torch.zeros(kv[1].shape, dtype=wide, device=q.device)
             if block is not None:
                 rows, cols, mask = block
-                kb, vb = _take(kv[0], cols).float(), _take(kv[1], cols).float()
-                qb, dob = _take(qf, rows), _take(dout, rows)
-                lse_b, delta_b = (lse, delta) if rows is None else (lse[..., rows], delta[..., rows])
-                p = torch.exp(_scores(qb, kb, scale, mask) - lse_b.unsqueeze(-1))   # the block's probabilities
-                ds = p * (dob @ vb.transpose(-2, -1) - delta_b.unsqueeze(-1))
+                dqb, dkb, dvb = _attend_backward(
+                    _take(dout, rows), _take(q, rows), _take(kv[0], cols), _take(kv[1], cols), _take(out, rows),
+                    lse if rows is None else lse.index_select(-1, rows), scale, mask)
                 if rows is None:
-                    dq += (ds @ kb) * scale
+                    dq += dqb
                 else:
-                    dq.index_add_(-2, rows, (ds @ kb) * scale)
-                dkb, dvb = (ds.transpose(-2, -1) @ qb) * scale, p.transpose(-2, -1) @ dob
+                    dq.index_add_(-2, rows, dqb)
                 if cols is None:
                     dk, dv = dkb, dvb
                 else:
