@@ -17,8 +17,8 @@ backward (from a gradient of ones) of:
 
 Time: the slowest rank's median, contenders interleaved. Peak memory: the most bytes alive at once
 among the tensors the step creates (CPU: every storage an operator makes is counted while it is
-alive, seen by a TorchDispatchMode; CUDA: ``torch.cuda.max_memory_allocated``), the slowest...
-largest rank's. Formulas (fp32 numbers per head, s = S/N, d = head_dim): the gathered step holds
+alive, seen by a TorchDispatchMode; CUDA: ``torch.cuda.max_memory_allocated``), the fullest
+rank's. Formulas (fp32 numbers per head, s = S/N, d = head_dim): the gathered step holds
 the full k and v, 2·S·d, and their gradients before the reduce-scatter, 2·S·d more; the ring holds
 its own q, k, v, output, two blocks in flight, and one s x s block of scores at a time.
 """
@@ -71,7 +71,8 @@ def _gathered(q, k, v, causal):
     k_all, v_all = (gather_from_sequence_parallel_region(t.transpose(1, 2)).transpose(1, 2) for t in (k, v))
     mask = None
     if causal:
-        mask = torch.arange(k_all.shape[-2], device=q.device)[None, :] <= (rank * s + torch.arange(s, device=q.device))[:, None]
+        positions = rank * s + torch.arange(s, device=q.device)
+        mask = torch.arange(k_all.shape[-2], device=q.device)[None, :] <= positions[:, None]
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
 
@@ -140,7 +141,8 @@ def main() -> None:
             for name, (t, m) in res.items():
                 table.add(n, seq, name, t * 1e3, t / base_t, m / 2**20, m / base_m)
             summary[f"N{n}_S{seq}"] = {name: {"time_vs_gathered": round(t / base_t, 3),
-                                               "memory_vs_gathered": round(m / base_m, 3)} for name, (t, m) in res.items()}
+                                               "memory_vs_gathered": round(m / base_m, 3)}
+                                        for name, (t, m) in res.items()}
     print(f"device {device}, {dtype}; median of {a.steps} steps")
     table.print()
     print_json("bench_context_parallel", [table], device=device, dtype=dtype, causal=causal, summary=summary)

@@ -2,12 +2,12 @@
 
 Sequence parallelism (lab 11) splits the norms and dropout along the sequence but gathers
 the whole sequence before attention: every rank then holds the keys and values of all S
-tokens (and, without a fused kernel, an ``s x S`` block of scores). Ring attention never gathers. Rank r holds its
-queries, keys and values (``s = S/N`` positions); the key/value blocks travel around the
-ring (rank r sends to r+1 and receives from r-1), and after N steps each rank has attended
-its queries to every block. Each step's partial result is merged into the running one by
-the **log-sum-exp** (the online softmax): with ``lse`` the log of a row's softmax
-denominator over the keys seen so far,
+tokens (and, without a fused kernel, an ``s x S`` block of scores). Ring attention never
+gathers. Rank r holds its queries, keys and values (``s = S/N`` positions); the key/value
+blocks travel around the ring (rank r sends to r+1 and receives from r-1), and after N steps
+each rank has attended its queries to every block. Each step's partial result is merged
+into the running one by the **log-sum-exp** (the online softmax): with ``lse`` the log of a
+row's softmax denominator over the keys seen so far,
 
     lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
@@ -240,8 +240,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         raise RuntimeError("ring_attention needs a process group: call it inside mgpu_lab.launch(...) "
                            "or after mgpu_lab.init_distributed()")
     if q.dim() != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
-        raise ValueError("ring_attention: q, k, v are [batch, heads, seq_local, head_dim] with the same batch, heads "
-                         f"and sequence (k with q's head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError("ring_attention: q, k, v are [batch, heads, seq_local, head_dim] with the same batch, "
+                         f"heads and sequence (k with q's head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if layout == "zigzag" and q.shape[-2] % 2:
         raise ValueError(f"the zigzag layout holds two equal chunks per rank: seq_local ({q.shape[-2]}) must be even")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
