@@ -133,3 +133,32 @@ def test_a_rank_waits_for_the_block_its_left_neighbour_passes_on():
     though rank 1 itself was free from 7."""
     spans = simulate_ring([[1, 5, 7], [3], [4], [0, 2, 6]], chunk_size=2)
     assert spans[1][1] == (1, 3.0, 7.0) and spans[0][1][1] == 21.0 and spans[1][2] == (2, 21.0, 29.0)
+
+
+def test_a_blocks_rows_columns_and_mask_are_the_causal_pairs():
+    """_block's O(s) answer against the s x s matrix of allowed pairs, for random increasing positions."""
+    from mgpu_lab.parallel.context_parallel import _block
+    g = torch.Generator().manual_seed(0)
+    kinds = set()
+    cases = [(torch.arange(6), torch.arange(6, 12))]       # every key after every query: skipped
+    for _ in range(200):
+        q_pos = torch.randperm(24, generator=g)[:6].sort().values
+        cases.append((q_pos, torch.randperm(24, generator=g)[:6].sort().values if torch.rand(1, generator=g) < 0.8
+                      else q_pos))
+    for q_pos, k_pos in cases:
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        block = _block(q_pos, k_pos, causal=True)
+        if block is None:
+            assert not allowed.any()
+            kinds.add("skipped")
+            continue
+        rows, cols, mask = block
+        rows = torch.arange(6) if rows is None else rows
+        cols = torch.arange(6) if cols is None else cols
+        assert torch.equal(rows, allowed.any(1).nonzero().squeeze(1))
+        assert torch.equal(cols, allowed.any(0).nonzero().squeeze(1))
+        sub = allowed[rows][:, cols]
+        want = torch.ones_like(sub) if mask is None else torch.ones_like(sub).tril() if isinstance(mask, str) else mask
+        assert torch.equal(sub, want) and (mask != "causal" or torch.equal(q_pos[rows], k_pos[cols]))
+        kinds.add("mask" if torch.is_tensor(mask) else str(mask))
+    assert kinds == {"skipped", "None", "causal", "mask"}, kinds

@@ -75,17 +75,22 @@ class _Exchange:
 def _block(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> Optional[Block]:
     """Which query rows and key columns of a block have work, and the mask between them.
 
-    ``None``: nothing to compute (every key is later than every query). Otherwise ``(rows,
-    cols, mask)``: ``None`` for all rows / all columns; mask ``None`` (every pair allowed),
-    ``"causal"`` (queries and keys at the same positions: SDPA's ``is_causal``) or a bool tensor."""
+    Positions are increasing (as every layout holds them). ``None``: nothing to compute (every
+    key is later than every query). Otherwise ``(rows, cols, mask)``: ``None`` for all rows /
+    all columns; mask ``None`` (every pair allowed), ``"causal"`` (queries and keys at the same
+    positions: SDPA's ``is_causal``) or a bool tensor. O(s): no s x s matrix unless a mask needs it."""
     if not causal:
         return None, None, None
-    allowed = k_pos[None, :] <= q_pos[:, None]
-    rows, cols = allowed.any(1), allowed.any(0)
+    rows, cols = q_pos >= k_pos[0], k_pos <= q_pos[-1]     # queries that see a key, keys that a query sees
     if not rows.any():
         return None
-    sub = allowed[rows][:, cols]
-    mask = None if sub.all() else "causal" if torch.equal(q_pos[rows], k_pos[cols]) else sub
+    qs, ks = q_pos[rows], k_pos[cols]
+    if ks[-1] <= qs[0]:
+        mask = None
+    elif torch.equal(qs, ks):
+        mask = "causal"
+    else:
+        mask = ks[None, :] <= qs[:, None]
     return None if rows.all() else rows.nonzero().squeeze(1), None if cols.all() else cols.nonzero().squeeze(1), mask
 
 
