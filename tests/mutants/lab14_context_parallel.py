@@ -12,12 +12,6 @@ def sum_not_rebased(solution):
     return swap(solution, "l = l * rebase + p.sum(-1)", "l = l + p.sum(-1)")
 
 
-@mutant("online_attention", "wrong")
-def block_max_instead_of_running_max(solution):
-    "m is the block's own max, not the max so far: the output survives, the history does not"
-    return swap(solution, "m_new = torch.maximum(m, s.max(-1).values)", "m_new = s.max(-1).values")
-
-
 @mutant("online_attention", "reference")
 def calls_sdpa(solution):
     "F.scaled_dot_product_attention for the output, the history from its definition"
@@ -51,12 +45,6 @@ def patches_allclose(solution):
 
 
 # --- window_ring_attention ------------------------------------------------------------
-
-@mutant("window_ring_attention", "wrong")
-def window_one_too_wide(solution):
-    "i - w <= j <= i: the window holds w + 1 keys"
-    source = swap(solution, "(k_pos[None, :] > q_pos[:, None] - window)", "(k_pos[None, :] >= q_pos[:, None] - window)")
-    return swap(source, "(k_pos[None, :] > q_pos[:, None] - ctx.window)", "(k_pos[None, :] >= q_pos[:, None] - ctx.window)")
 
 
 @mutant("window_ring_attention", "wrong")
@@ -99,14 +87,6 @@ def redefines_run_window(solution):
 
 # --- choose_layout (design) -----------------------------------------------------------
 
-@mutant("choose_layout", "wrong")
-def contiguous_chunks(solution):
-    "each rank a contiguous run of chunks: the last rank does most of the causal work"
-    return body(solution, """
-        per = n_chunks // world_size
-        return [list(range(r * per, (r + 1) * per)) for r in range(world_size)]
-    """)
-
 
 @mutant("choose_layout", "wrong")
 def striped_chunks(solution):
@@ -114,16 +94,6 @@ def striped_chunks(solution):
     return body(solution, """
         return [list(range(r, n_chunks, world_size)) for r in range(world_size)]
     """)
-
-
-@mutant("choose_layout", "wrong")
-def never_none(solution):
-    "one chunk per rank answered with a layout: it cannot balance"
-    return swap(solution, """    if n_chunks == world_size:
-        # one chunk per rank: the rank holding the last chunk works N - 1/2 chunk-pairs, the average rank N/2,
-        # so the ranks idle (N-1)/(2N-1) >= 1/3 of the step, whatever the order
-        return None
-""", "")
 
 
 @mutant("choose_layout", "reference")
@@ -144,8 +114,8 @@ def copies_the_zigzag(solution):
 
 @mutant("choose_layout", "tamper")
 def patches_simulate_ring(solution):
-    "the replay patched to report no idle time, and contiguous chunks"
-    return prepend(contiguous_chunks(solution), """
+    "the replay patched to report no idle time, and chunks dealt round-robin"
+    return prepend(striped_chunks(solution), """
         import mgpu_lab.parallel.sequence_layout as _layout
         _layout.simulate_ring = lambda layout, chunk_size, causal=True: [[(0, 0.0, 1.0)] for _ in layout]
     """)

@@ -12,27 +12,6 @@ def local_counts(solution):
     return swap(solution, "    dist.all_reduce(counts)", "    pass")
 
 
-@mutant("global_balance_loss", "wrong")
-def counts_over_tokens(solution):
-    "f normalised by the tokens instead of the assignments (Hugging Face's Mixtral loss: k times larger)"
-    return swap(solution, "f = counts / counts.sum()", "f = counts / (counts.sum() / top_k)")
-
-
-@mutant("global_balance_loss", "wrong")
-def probabilities_of_the_chosen(solution):
-    "P from the softmax over the k chosen logits (the gate weights), not over all experts"
-    return swap(solution, "P = torch.softmax(router_logits, dim=-1).mean(0)",
-                "P = torch.zeros(E).index_add(0, chosen.reshape(-1), torch.softmax(router_logits.gather(-1, chosen), "
-                "-1).reshape(-1)) / len(router_logits)")
-
-
-@mutant("global_balance_loss", "wrong")
-def probabilities_over_all_ranks(solution):
-    "P summed over this rank's tokens but divided by every rank's: the share of a global P"
-    return swap(solution, "P = torch.softmax(router_logits, dim=-1).mean(0)",
-                "P = torch.softmax(router_logits, dim=-1).sum(0) / (counts.sum() / top_k)")
-
-
 @mutant("global_balance_loss", "reference")
 def calls_load_balancing_loss(solution):
     "the library's load_balancing_loss, fed the global counts"
@@ -63,11 +42,6 @@ def patches_all_reduce(solution):
 
 
 # --- ep_dispatch_combine ------------------------------------------------------------
-
-@mutant("ep_dispatch_combine", "wrong")
-def weights_detached(solution):
-    "the routing weights applied as constants: no gradient reaches them (nor the router)"
-    return swap(solution, "back * weights[token, choice][:, None]", "back * weights.detach()[token, choice][:, None]")
 
 
 @mutant("ep_dispatch_combine", "wrong")
@@ -122,12 +96,6 @@ def capacity_from_one_ranks_tokens(solution):
 
 
 @mutant("plan_experts", "wrong")
-def ignores_the_drop_target(solution):
-    "the first ep that fits in memory, with the largest buffers: drops never counted"
-    return swap(solution, "if dropped <= max_drop_rate * routing.numel():", "if True:")
-
-
-@mutant("plan_experts", "wrong")
 def never_none(solution):
     "the last ep tried when nothing meets the targets, instead of None"
     return swap(solution, "    return None\n", "    return world_size, 1.0\n")
@@ -142,7 +110,7 @@ def copies_the_demo_factor(solution):
 @mutant("plan_experts", "tamper")
 def patches_slot_positions(solution):
     "the queue patched to drop nothing, and the largest buffers whatever the drops"
-    return prepend(ignores_the_drop_target(solution), """
+    return prepend(swap(solution, "if dropped <= max_drop_rate * routing.numel():", "if True:"), """
         import mgpu_lab.parallel.moe as _moe
         _moe.slot_positions = lambda experts, num_experts, before=None: experts * 0
     """)
