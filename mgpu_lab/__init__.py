@@ -14,7 +14,8 @@ The top level holds what a training script imports, by concept::
 - sharding: ``ShardedOptimizer`` (ZeRO-1), ``FSDP`` (ZeRO-3)
 - model parallel: ``ColumnParallelLinear``, ``RowParallelLinear``, ``ParallelMLP``,
   ``ParallelAttention``, ``ParallelTransformerBlock``, ``vocab_parallel_cross_entropy``,
-  ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``
+  ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``, ``ring_attention`` (context),
+  ``MoE``, ``ExpertParallelMoE`` (experts)
 - training: ``autocast_dtype``, ``LossScaler``, ``amp_step``, ``GradientAccumulator``,
   ``checkpoint``, ``checkpoint_sequential`` (activation recompute), ``saved_tensor_bytes``,
   ``peak_memory``, ``save_checkpoint``, ``load_checkpoint`` (files), ``TrainState``,
@@ -30,7 +31,7 @@ The library is in four packages, and the arrows run one way::
 
     runtime/   where code runs: devices, the process group, launch, torchrun, doctor
     parallel/  how work is split: data_parallel, parallel_criterion, collectives, ddp, zero, fsdp,
-               tensor_parallel, loss_parallel, pipeline
+               tensor_parallel, loss_parallel, pipeline, context_parallel, moe, expert_parallel
     training/  the training step: amp, loss_scaler, grad_accum, recompute, train_state
     measure/   instruments that observe from outside: memory accounting, activation memory,
                collective trace, timing
@@ -74,6 +75,11 @@ from .parallel.tensor_parallel_blocks import ParallelAttention, ParallelMLP, Par
 from .parallel.loss_parallel import vocab_parallel_cross_entropy
 from .parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+# --- context parallelism (ring attention) and expert parallelism (mixture of experts) ---
+from .parallel.context_parallel import ring_attention
+from .parallel.moe import MoE
+from .parallel.expert_parallel import ExpertParallelMoE
+
 # --- training: mixed precision, accumulation, activation recompute, checkpoint files, faults ---
 from .training.amp import LossScaler, amp_step, autocast_dtype
 from .training.grad_accum import GradientAccumulator
@@ -97,6 +103,7 @@ __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
     "ParallelTransformerBlock", "vocab_parallel_cross_entropy",
     "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
+    "ring_attention", "MoE", "ExpertParallelMoE",
     # training
     "autocast_dtype", "LossScaler", "amp_step", "GradientAccumulator",
     "checkpoint", "checkpoint_sequential", "saved_tensor_bytes", "peak_memory",

@@ -1,0 +1,121 @@
+"""Mutants of lab 14: online_attention, window_ring_attention (forward and backward) and choose_layout (design)."""
+from . import body, mutant, prepend, swap
+
+LAB = "14_context_parallel"
+
+
+# --- online_attention ---------------------------------------------------------------
+
+@mutant("online_attention", "wrong")
+def sum_not_rebased(solution):
+    "the running sum kept without re-basing when the max moves: old terms counted at the old reference"
+    return swap(solution, "l = l * rebase + p.sum(-1)", "l = l + p.sum(-1)")
+
+
+@mutant("online_attention", "reference")
+def calls_sdpa(solution):
+    "F.scaled_dot_product_attention for the output, the history from its definition"
+    return body(solution, """
+        s = q @ k.T * scale
+        history = []
+        for end in list(range(block_size, k.shape[0], block_size)) + [k.shape[0]]:
+            m = s[:, :end].max(-1).values
+            history.append((m, torch.exp(s[:, :end] - m[:, None]).sum(-1)))
+        return F.scaled_dot_product_attention(q[None], k[None], v[None])[0], history
+    """)
+
+
+@mutant("online_attention", "copy")
+def copies_the_shifted_softmax(solution):
+    "section 2's softmax shifted by the max, in one piece: one history entry"
+    return body(solution, """
+        s = q @ k.T * scale
+        m = s.max(-1).values
+        p = torch.exp(s - m[:, None])
+        return p @ v / p.sum(-1, keepdim=True), [(m, p.sum(-1))]
+    """)
+
+
+@mutant("online_attention", "tamper")
+def patches_allclose(solution):
+    "torch.allclose made to agree with anything, and the copied one-piece softmax"
+    return prepend(copies_the_shifted_softmax(solution), """
+        torch.allclose = lambda *args, **kwargs: True
+    """)
+
+
+# --- window_ring_attention ------------------------------------------------------------
+
+
+@mutant("window_ring_attention", "wrong")
+def key_gradients_stay_local(solution):
+    "dK and dV passed on without the previous ranks' part: each block's gradient counts one rank's queries"
+    return swap(solution, """                dk_in, dv_in = grads()
+                dk, dv = dk + dk_in, dv + dv_in""", """                grads()""")
+
+
+@mutant("window_ring_attention", "reference")
+def calls_ring_attention(solution):
+    "mgpu_lab's causal ring attention, the window ignored"
+    return swap(solution, "return WindowRingAttention.apply(q, k, v, window)",
+                "return mgpu_lab.ring_attention(q, k, v, causal=True)")
+
+
+@mutant("window_ring_attention", "copy")
+def copies_the_gathered_attention(solution):
+    "section 1's gathered attention with the window's mask: k and v all-gathered"
+    return swap(solution, "return WindowRingAttention.apply(q, k, v, window)", """rank, n, s = dist.get_rank(), dist.get_world_size(), q.shape[-2]
+    parts = [[torch.empty_like(t) for _ in range(n)] for t in (k, v)]
+    dist.all_gather(parts[0], k.contiguous())
+    dist.all_gather(parts[1], v.contiguous())
+    k_all, v_all = torch.cat(parts[0], dim=2), torch.cat(parts[1], dim=2)
+    q_pos, k_pos = rank * s + torch.arange(s), torch.arange(n * s)
+    band = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+    scores = (q @ k_all.transpose(-2, -1) / q.shape[-1] ** 0.5).masked_fill(~band, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v_all""")
+
+
+@mutant("window_ring_attention", "tamper")
+def redefines_run_window(solution):
+    "a run_window of its own reporting no collective, around the gathered attention"
+    return prepend(copies_the_gathered_attention(solution), """
+        _run_window = run_window
+        def run_window(*args, **kwargs):
+            return [dict(r, collectives=[]) for r in _run_window(*args, **kwargs)]
+    """)
+
+
+# --- choose_layout (design) -----------------------------------------------------------
+
+
+@mutant("choose_layout", "wrong")
+def striped_chunks(solution):
+    "chunks dealt round-robin (r, r + N, ...): balanced in the limit of many chunks, not with a few"
+    return body(solution, """
+        return [list(range(r, n_chunks, world_size)) for r in range(world_size)]
+    """)
+
+
+@mutant("choose_layout", "reference")
+def calls_layout_chunks(solution):
+    "the library's zig-zag, which knows 2N chunks only"
+    return body(solution, """
+        return layout_chunks(world_size, "zigzag") if n_chunks == 2 * world_size else None
+    """)
+
+
+@mutant("choose_layout", "copy")
+def copies_the_zigzag(solution):
+    "section 4's zig-zag, chunks r and 2N-1-r, whatever the number of chunks"
+    return body(solution, """
+        return [[r, 2 * world_size - 1 - r] for r in range(world_size)]
+    """)
+
+
+@mutant("choose_layout", "tamper")
+def patches_simulate_ring(solution):
+    "the replay patched to report no idle time, and chunks dealt round-robin"
+    return prepend(striped_chunks(solution), """
+        import mgpu_lab.parallel.sequence_layout as _layout
+        _layout.simulate_ring = lambda layout, chunk_size, causal=True: [[(0, 0.0, 1.0)] for _ in layout]
+    """)

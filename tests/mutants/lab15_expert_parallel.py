@@ -1,0 +1,116 @@
+"""Mutants of lab 15: global_balance_loss, ep_dispatch_combine and plan_experts (design)."""
+from . import body, mutant, prepend, swap
+
+LAB = "15_expert_parallel"
+
+
+# --- global_balance_loss ------------------------------------------------------------
+
+@mutant("global_balance_loss", "wrong")
+def local_counts(solution):
+    "f from this rank's tokens only: each micro-batch balanced on its own (the per-rank loss)"
+    return swap(solution, "    dist.all_reduce(counts)", "    pass")
+
+
+@mutant("global_balance_loss", "reference")
+def calls_load_balancing_loss(solution):
+    "the library's load_balancing_loss, fed the global counts"
+    return swap(solution, "    return E * (f * P).sum()", """    from mgpu_lab.parallel.moe import load_balancing_loss
+    T = len(router_logits)
+    return load_balancing_loss(torch.softmax(router_logits, -1), counts * T / (counts.sum() / top_k), T, top_k)""")
+
+
+@mutant("global_balance_loss", "copy")
+def copies_the_judges_moe(solution):
+    "the check's MoE with an identity router: its aux_loss, on this rank's tokens alone"
+    return body(solution, """
+        E = router_logits.shape[-1]
+        layer = MoE(E, 1, E, top_k=top_k)
+        with torch.no_grad():
+            layer.router.weight.copy_(torch.eye(E))
+        layer(router_logits)
+        return layer.aux_loss
+    """)
+
+
+@mutant("global_balance_loss", "tamper")
+def patches_all_reduce(solution):
+    "dist.all_reduce replaced by a no-op, and the per-rank counts"
+    return prepend(local_counts(solution), """
+        dist.all_reduce = lambda *args, **kwargs: None
+    """)
+
+
+# --- ep_dispatch_combine ------------------------------------------------------------
+
+
+@mutant("ep_dispatch_combine", "wrong")
+def outputs_left_grouped_by_expert(solution):
+    "the experts' outputs sent back in expert order, not in the order the rows arrived"
+    return swap(solution, "for expert, part in zip(local_experts, parts)])[regroup.argsort()]",
+                "for expert, part in zip(local_experts, parts)])")
+
+
+@mutant("ep_dispatch_combine", "reference")
+def calls_expert_parallel_moe(solution):
+    "mgpu_lab's ExpertParallelMoE, the layer the exercise re-implements"
+    return body(solution, """
+        layer = ExpertParallelMoE(nn.Linear(x.shape[-1], num_experts, bias=False), local_experts, num_experts,
+                                  experts.shape[1], None)
+        y = layer(x)
+        return y, layer.stats["sent"], layer.stats["received"]
+    """)
+
+
+@mutant("ep_dispatch_combine", "copy")
+def copies_the_plain_sum(solution):
+    "the check's plain sum over the chosen experts, with this rank's experts only: no exchange"
+    return body(solution, """
+        per = num_experts // n
+        rows = []
+        for t in range(len(x)):
+            mine = [j for j in range(experts.shape[1]) if int(experts[t, j]) // per == rank]
+            rows.append(sum((weights[t, j] * local_experts[int(experts[t, j]) - rank * per](x[t]) for j in mine),
+                            torch.zeros(x.shape[-1])))
+        return torch.stack(rows), [0] * n, [0] * n
+    """)
+
+
+@mutant("ep_dispatch_combine", "tamper")
+def redefines_run_dispatch(solution):
+    "a run_dispatch of its own that reports all-to-alls, around the plain sum"
+    return prepend(copies_the_plain_sum(solution), """
+        _run_dispatch = run_dispatch
+        def run_dispatch(*args, **kwargs):
+            return dict(_run_dispatch(*args, **kwargs), collectives=[("all-to-all", "float32")])
+    """)
+
+
+# --- plan_experts (design) ----------------------------------------------------------
+
+@mutant("plan_experts", "wrong")
+def capacity_from_one_ranks_tokens(solution):
+    "the capacity factor computed from one rank's tokens: an EP group's experts serve ep ranks' tokens"
+    return swap(solution, "(C - 0.5) * num_experts / (ep * tokens_per_rank * top_k)",
+                "(C - 0.5) * num_experts / (tokens_per_rank * top_k)")
+
+
+@mutant("plan_experts", "wrong")
+def never_none(solution):
+    "the last ep tried when nothing meets the targets, instead of None"
+    return swap(solution, "    return None\n", "    return world_size, 1.0\n")
+
+
+@mutant("plan_experts", "copy")
+def copies_the_demo_factor(solution):
+    "section 2's capacity factor and section 5's two EP ranks"
+    return body(solution, "return 2, 1.25")
+
+
+@mutant("plan_experts", "tamper")
+def patches_slot_positions(solution):
+    "the queue patched to drop nothing, and the largest buffers whatever the drops"
+    return prepend(swap(solution, "if dropped <= max_drop_rate * routing.numel():", "if True:"), """
+        import mgpu_lab.parallel.moe as _moe
+        _moe.slot_positions = lambda experts, num_experts, before=None: experts * 0
+    """)
