@@ -70,7 +70,7 @@ def latest(path: str) -> Optional[str]:
 
 
 def save(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], step: int,
-         write_meta: Callable[[str, Dict[str, Any]], None], barrier: Callable[[str], None]) -> str:
+         write_meta: Callable[[Dict[str, Any], str], None], barrier: Callable[[str], None]) -> str:
     """Every rank calls it with its own ``tensors``; rank 0 also writes ``meta``. Returns the folder."""
     import torch.distributed.checkpoint as dcp
     path = os.fspath(path)
@@ -82,9 +82,9 @@ def save(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], step
         dist.broadcast_object_list(name, src=0)  # every rank writes into the same folder
     tmp, final = os.path.join(path, f".{name[0]}.tmp"), os.path.join(path, name[0])
     os.makedirs(tmp, exist_ok=True)
-    dcp.save(tensors, checkpoint_id=tmp)
+    dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
     if _rank() == 0:
-        write_meta(os.path.join(tmp, "meta.pt"), meta)
+        write_meta(meta, os.path.join(tmp, "meta.pt"))
         _fsync_dir(tmp)
         os.replace(tmp, final)               # 1. the generation is complete under its name
         _fsync_dir(path)
@@ -111,7 +111,7 @@ def stored(folder: str) -> Dict[str, Any]:
 def load(folder: str, targets: Dict[str, torch.Tensor]) -> None:
     """Fill ``targets`` (this rank's pieces, allocated as the loading layout holds them) in place."""
     import torch.distributed.checkpoint as dcp
-    dcp.load(targets, checkpoint_id=folder)
+    dcp.load(targets, checkpoint_id=folder, no_dist=not dist.is_initialized())
 
 
 def optimizer_keys(metadata: Dict[str, Any]) -> Dict[str, List[str]]:
