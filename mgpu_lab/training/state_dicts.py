@@ -87,7 +87,18 @@ def parameter_names(model: nn.Module) -> Dict[int, List[str]]:
     groups = _fsdp_groups(model)
     if groups:
         return {i: list(g.names) for i, g in groups.items()}
-    return {id(p): [name] for name, p in wrappers.unwrap(model).named_parameters()}
+    return {id(p): [_plain_name(name)] for name, p in wrappers.unwrap(model).named_parameters()}
+
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _plain_name(name: str) -> str:
+    """The name without what wrappers insert (``checkpoint_wrapper``, ``torch.compile``): the one
+    ``state_dict()`` gives, so that a checkpoint loads with or without them."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 # --------------------------------------------------------------------------- pieces of tensors
