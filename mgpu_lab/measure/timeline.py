@@ -50,7 +50,6 @@ class Timeline(ContextDecorator):
         self._handles: list = []
         self._patched: list = []
         self._open: Dict[Tuple[int, str], float] = {}
-        self._in_backward = False
         self._recompute: Optional[list] = None  # [name, start, last end seen] of a recompute under way
         self._depth = 0
 
@@ -132,7 +131,7 @@ class Timeline(ContextDecorator):
             self.spans.append(("compute", name, start, end))
 
     def _pre_forward(self, name: str, module, args):
-        if self._in_backward:  # a forward inside backward: recompute
+        if _in_backward():  # a forward inside backward: recompute
             self._close_recompute()
             now = time.perf_counter()
             self._recompute = [f"R {name}", now, now]
@@ -140,7 +139,7 @@ class Timeline(ContextDecorator):
         self._begin(f"F {name}", "compute", id(module))
 
     def _post_forward(self, name: str, module, args, output):
-        if self._in_backward:
+        if _in_backward():
             self._close_recompute()
             return
         self._end(f"F {name}", "compute", id(module))
@@ -155,14 +154,13 @@ class Timeline(ContextDecorator):
             t.register_hook(lambda g: self._end(f"B {name}", "compute", key))
 
     def _backward_begins(self, name: str, key: int) -> None:
-        if not self._in_backward:  # the first module of this backward: note when it ends
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
         if (key, name) not in self._open:
             self._begin(name, "compute", key)
 
-    def _backward_ends(self) -> None:
-        self._in_backward = False
+
+def _in_backward() -> bool:
+    """Is autograd's engine running a backward in this thread (a recompute, then)?"""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(tree) -> List[torch.Tensor]:
@@ -215,7 +213,7 @@ def plot_timeline(timelines: Sequence[Sequence[Span]], ax=None, title: str = "ti
     t0 = min(starts) if starts else 0.0
     for rank, spans in enumerate(timelines):
         y = len(timelines) - 1 - rank
-        for lane, name, s, e in spans:
+        for lane, name, s, e in sorted(spans, key=lambda sp: sp[2] - sp[3]):  # longest first: nested ones on top
             color = "tab:red" if lane == "comm" else _COLORS.get(name.split(" ")[0], "tab:gray")
             lo = y + (0.45 if lane == "compute" else 0.05)
             ax.broken_barh([((s - t0) * 1e3, max((e - s) * 1e3, 1e-3))], (lo, 0.4), facecolors=color)
