@@ -12,6 +12,12 @@ autocast on the CPU, ShardedOptimizer where it applies, an LR scheduler):
 
 Three launches run every case: uninterrupted, save-then-die, resume. The loop
 has no call after backward: the wrappers finish their communication with it.
+
+Then DTensor models and pipeline stages (FSDP x TP on a 2 x 2 mesh, TP alone, two
+pipeline stages; accumulation over uneven micro-batches, bf16 autocast, clipping, a
+scheduler), each saved, killed and resumed on *another* layout (4 ranks to 2 and back,
+one-file and sharded checkpoints), against one process on the full batch; and README's
+loop on a mesh, extracted from README.md, resumed on another layout.
 """
 import os
 import signal
@@ -224,12 +230,12 @@ def _gpt_case(layout, precision, mode, path, sharded):
     rank, net = dist.get_rank(), TinyGPT(seq=GPT_SEQ, seed=0)
     if LAYOUTS[layout] is None:
         model, dp, dp_rank = net.stage(rank, 2), 1, 0
-        stage = PipelineStage(model, rank, 2, device=torch.device("cpu"))   # tp30: (module, i, n, device)
+        stage = PipelineStage(model, rank, 2, device=torch.device("cpu"))   # device= by keyword: both signatures
         pipe = ScheduleGPipe(stage, 2, loss_fn=lambda out, y: _lm_loss(out, y, "sum"), scale_grads=False)
     else:
         dp, tp = LAYOUTS[layout]
         model, dp_rank, stage = parallelize_gpt(net, dp, tp), rank // tp, None
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)   # DTensors on two meshes and plain tensors: foreach copes
     sched = _scheduler(opt)
     acc = GradientAccumulator(stage or model, opt, K, max_grad_norm=0.5)
     state = TrainState(model, opt, scheduler=sched, sharded=sharded)
@@ -276,7 +282,7 @@ def _gpt_run(mode, folder, cases):
 def _gpt_reference(precision):
     from conftest import TinyGPT
     model = TinyGPT(seq=GPT_SEQ, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     sched = _scheduler(opt)
     for step in range(STEPS):
         parts = [_gpt_batch(j, 0, 1) for j in range(step * K, min((step + 1) * K, MICRO_GPT))]
@@ -316,3 +322,50 @@ def test_dtensor_layouts_and_a_pipeline_train_as_one_process_and_resume_on_anoth
             # one process in bf16 ends from one process in fp32)
             off = sum((weights[n] - w).square().sum() for n, w in ref.items()).sqrt().item()
             assert off <= 1.5 * noise, f"{where}: {off:.3e} away from one process in bf16 (bf16's noise: {noise:.3e})"
+
+
+# --------------------------------------------------------------------------- README's loop on a mesh
+
+def _readme_mesh_loop(dp, tp, samples, path):
+    """README's "On a mesh" loop, as it reads, except: a save every 2 steps (not 100) and fp32 (the
+    autocast off, so that layouts agree to 1e-5)."""
+    import re
+    from torch.utils.data import TensorDataset
+    from conftest import ROOT, TinyGPT, parallelize_gpt
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"\*\*On a mesh\*\*.*?```python\n(.*?)```", readme, re.S).group(1)
+    block = block.replace("state.step % 100 == 0", "state.step % 2 == 0")
+    block = block.replace("torch.autocast(device.type, dtype=autocast_dtype(device))",
+                          "torch.autocast(device.type, enabled=False)")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (32, GPT_SEQ + 1), generator=g)[:samples]
+    scope = {"dp": dp, "tp": tp, "net": TinyGPT(seq=GPT_SEQ, seed=0), "global_batch": 8, "micro_batch": 4,
+             "dataset": TensorDataset(tokens[:, :-1], tokens[:, 1:]), "loss_fn": _lm_loss,
+             "lr_lambda": lambda step: 1.0 / (1 + step),
+             "parallelize": lambda net, mesh: _parallelize_on(net, mesh, parallelize_gpt)}
+    cwd = os.getcwd()
+    os.chdir(path)  # README saves to "ckpt"
+    try:
+        exec(compile(block, "README.md", "exec"), scope)
+    finally:
+        os.chdir(cwd)
+    from mgpu_lab.training.state_dicts import merge_on_rank0, model_state
+    return scope["state"].step, merge_on_rank0(model_state(scope["model"]))
+
+
+def _parallelize_on(net, mesh, parallelize_gpt):
+    dp, tp = mesh.mesh.shape
+    return parallelize_gpt(net, dp, tp)
+
+
+def test_readmes_mesh_loop_resumes_on_another_layout(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    for folder in (full, cut):
+        folder.mkdir()
+    steps, uninterrupted = launch(_readme_mesh_loop, nprocs=4, args=(2, 2, 32, str(full)), timeout=300)[0]
+    assert steps == 4
+    launch(_readme_mesh_loop, nprocs=4, args=(2, 2, 16, str(cut)), timeout=300)   # the data ends after step 2
+    steps, weights = launch(_readme_mesh_loop, nprocs=2, args=(1, 2, 32, str(cut)), timeout=300)[0]
+    assert steps == 4  # resumed at step 2 on tp=2 alone (K doubles), the same samples skipped
+    for name, w in uninterrupted.items():
+        torch.testing.assert_close(weights[name], w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
