@@ -29,6 +29,8 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
+from ..runtime._diagnosis import collective_failed, peer_died
+
 _SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
                 torch.Size)
 
@@ -152,5 +154,7 @@ def _barrier(what: str) -> None:
         else:
             dist.barrier()
     except RuntimeError as exc:
+        if peer_died(str(exc)):
+            raise collective_failed(f"{what} (the barrier after the write)", exc) from exc
         raise RuntimeError(f"rank {rank}: {what} waited up to {timeout.total_seconds():g} s for {waited_for} "
                            f"at the barrier after the write, and failed: {exc}") from exc

@@ -23,6 +23,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..runtime._diagnosis import collective_failed
+
 try:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -82,7 +84,11 @@ class GlobalGradNorm:
         if dist.is_initialized() and dist.get_world_size() > 1:
             if dist.get_backend() == "nccl" and total.device.type != "cuda":
                 total = total.cuda()
-            dist.all_reduce(total)  # the one collective: every element's square, counted once
+            try:
+                dist.all_reduce(total)  # the one collective: every element's square, counted once
+            except RuntimeError as exc:
+                raise collective_failed("the gradient norm (all-reduce)", exc, None,
+                                        "Every rank must clip together.") from exc
         return total.sqrt().float().to(device)
 
     @torch.no_grad()
