@@ -29,7 +29,7 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
-from ..runtime._diagnosis import collective_failed, peer_died
+from ..runtime._diagnosis import peer_died
 
 _SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
                 torch.Size)
@@ -154,7 +154,10 @@ def _barrier(what: str) -> None:
         else:
             dist.barrier()
     except RuntimeError as exc:
-        if peer_died(str(exc)):
-            raise collective_failed(f"{what} (the barrier after the write)", exc) from exc
+        if peer_died(str(exc)):  # not a slow peer: a dead (or departed) one
+            raise RuntimeError(f"rank {rank}: {what} waited for {waited_for} at the barrier after the write, and "
+                               f"one of them died or left ({str(exc).strip().splitlines()[0]}). This rank is fine: "
+                               "the cause is in that rank's own output (an exception, a death by signal, or it "
+                               "returned without calling save)") from exc
         raise RuntimeError(f"rank {rank}: {what} waited up to {timeout.total_seconds():g} s for {waited_for} "
                            f"at the barrier after the write, and failed: {exc}") from exc
