@@ -156,7 +156,7 @@ def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], what: str
     """Load a plain model's state (whole tensors, or pieces laid out as this model's) into any layout.
     Every name this rank's module has must be there; names it lacks are another stage's."""
     module = wrappers.unwrap(model)
-    targets = module.state_dict() if wrappers.wrapper_kind(model) != "fsdp" else module.state_dict()
+    targets = module.state_dict()  # this rank's pieces (mgpu_lab FSDP: whole tensors, gathered)
     missing = [k for k in targets if k not in state]
     if missing:
         raise KeyError(f"{what} has no {missing[:5]}{' ...' if len(missing) > 5 else ''} "
