@@ -61,6 +61,99 @@ class TiedNet(nn.Module):
         return self.head(torch.tanh(self.frozen(h)))
 
 
+class _Attention(nn.Module):
+    """Causal self-attention as LLaMA writes it: the number of heads comes from the weights'
+    shape (``view(b, s, -1, head_dim)``), so ``ColwiseParallel`` on wq/wk/wv splits the heads;
+    the two matmuls written out (nanoGPT's "manual implementation")."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        scores = (q @ k.transpose(-2, -1)) / self.head_dim ** 0.5    # written out: FlopCounterMode counts it
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        o = scores.softmax(-1) @ v
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = _Attention(dim, heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    """A decoder small enough for CPU tests: token and position embeddings, ``layers`` pre-norm
+    blocks in a ModuleDict (so that a pipeline stage, the model with the other stages' blocks
+    removed, keeps the full model's names, as torchtitan builds stages), a final norm and an
+    untied head. ``stage(i, n)``: stage i of n."""
+
+    TP_PLAN = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
+               "mlp.0": "colwise", "mlp.2": "rowwise"}
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = 2, layers: int = 2, seq: int = 8,
+                 seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleDict({str(i): _Block(dim, heads) for i in range(layers)})
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.blocks.values():
+            x = block(x)
+        return x if self.head is None else self.head(self.norm(x))
+
+    def stage(self, index: int, num_stages: int) -> "TinyGPT":
+        """This model with only stage ``index``'s blocks (and the embeddings first, the head last)."""
+        import copy
+        part = copy.deepcopy(self)
+        names = list(part.blocks)
+        per = -(-len(names) // num_stages)
+        for name in names[:index * per] + names[(index + 1) * per:]:
+            del part.blocks[name]
+        if index > 0:
+            part.embed = part.pos = None
+        if index < num_stages - 1:
+            part.norm = part.head = None
+        return part
+
+
+def parallelize_gpt(model: TinyGPT, dp: int = 1, tp: int = 1) -> TinyGPT:
+    """``model`` on a (dp, tp) mesh of every rank: each block's TP plan on "tp", then
+    ``fully_shard`` of each block and of the root on "dp" (inside launch())."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if dp > 1 and tp > 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+    else:
+        mesh = init_device_mesh("cpu", (dp * tp,))
+        dp_mesh, tp_mesh = (mesh, None) if dp > 1 else (None, mesh)
+    for block in model.blocks.values():
+        if tp_mesh is not None:
+            parallelize_module(block, tp_mesh, {k: styles[v]() for k, v in TinyGPT.TP_PLAN.items()})
+        if dp_mesh is not None:
+            fully_shard(block, mesh=dp_mesh)
+    if dp_mesh is not None:
+        fully_shard(model, mesh=dp_mesh)
+    return model
+
+
 @dataclasses.dataclass
 class ModelOutput:
     """A model's structured output, registered with torch.utils._pytree (as Hugging Face's

@@ -216,3 +216,176 @@ def test_a_rank_that_skips_the_save_is_named(tmp_path):
     assert info.value.rank == 0
     assert "save_checkpoint" in str(info.value) and "ranks [1]" in str(info.value)
     assert_no_children()
+
+
+# --------------------------------------------------------------------------- README's loop, bit for bit
+
+class DropoutNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(),
+                                                              torch.nn.Dropout(0.3)) for _ in range(2))
+        self.out = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _readme_loop(path, die_at):
+    """README's library loop, as it reads (FSDP, accumulation, bf16, a schedule, TrainState, islice),
+    with dropout and a shuffling DataLoader. ``die_at``: rank 1 is SIGKILLed at that step."""
+    import itertools
+    from torch.utils.data import DataLoader, TensorDataset
+    from mgpu_lab import FSDP, GradientAccumulator, LossScaler, autocast_dtype, rank_device
+    K, device = 2, rank_device()
+    torch.manual_seed(10 + dist.get_rank())          # each rank its own dropout stream and shuffle
+    net = DropoutNet()
+    g = torch.Generator().manual_seed(3)
+    loader = DataLoader(TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 2, (64,), generator=g)),
+                        batch_size=4, shuffle=True)
+    model = FSDP(net.to(device), units=net.blocks)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+    dtype = autocast_dtype(device)
+    scaler = LossScaler(enabled=dtype == torch.float16)
+    acc = GradientAccumulator(model, optimizer, accumulation_steps=K, scaler=scaler, max_grad_norm=1.0)
+    state = TrainState(model, optimizer, scaler, scheduler=scheduler)
+    state.load(path)
+    for x, y in itertools.islice(loader, state.step * K, None):
+        with acc.micro_step(), torch.autocast(device.type, dtype=dtype):
+            acc.backward(F.cross_entropy(model(x), y), num_samples=len(x))
+        if acc.micro_steps_in_window == 0:
+            scheduler.step()
+            state.step += 1
+            if state.step % 3 == 0:
+                state.save(path)
+            if state.step == die_at and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+    return {k: v.clone() for k, v in model.state_dict().items()}, torch.rand(2)
+
+
+def test_readmes_loop_resumes_bit_for_bit_with_dropout_and_a_shuffling_loader(tmp_path):
+    from mgpu_lab import LaunchError
+    full = launch(_readme_loop, nprocs=2, args=(str(tmp_path / "full.pt"), None), timeout=120)
+    path = str(tmp_path / "ckpt.pt")
+    with pytest.raises(LaunchError, match="SIGKILL"):
+        launch(_readme_loop, nprocs=2, args=(path, 5), timeout=120)   # saved at step 3, killed at 5
+    assert load_checkpoint(path)["step"] == 3
+    resumed = launch(_readme_loop, nprocs=2, args=(path, None), timeout=120)
+    for rank in range(2):
+        for name, w in full[rank][0].items():
+            assert torch.equal(resumed[rank][0][name], w), f"rank {rank}: {name} differs after resuming"
+        assert torch.equal(resumed[rank][1], full[rank][1]), f"rank {rank}: the RNG stream differs"
+
+
+# --------------------------------------------------------------------------- portable checkpoints
+
+def _fsdp_parameters():
+    from mgpu_lab import FSDP
+    net = TiedNet(seed=0)
+    model = FSDP(net, units=[net.hidden])
+    return [id(p) for p in net.parameters()] == [id(p) for p in model.parameters()], len(list(net.parameters()))
+
+
+def test_fsdp_keeps_the_shards_reachable_from_the_wrapped_module():
+    same, count = launch(_fsdp_parameters, nprocs=2, timeout=60)[0]
+    assert same and count == 3  # the root's trainable and frozen shards, the unit's
+
+
+WRAPPERS_ACROSS = ("fsdp", "torch_ddp", "fully_shard")
+
+
+def _portable(path, save_under, load_under, steps):
+    """Train TiedNet under ``save_under`` for 2 steps and save; or load under ``load_under`` and go on."""
+    from conftest import wrap
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = wrap(load_under or save_under, TiedNet(seed=0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.02)
+    state = TrainState(model, opt)
+    if load_under:
+        assert state.load(path)
+    while state.step < steps:
+        g = torch.Generator().manual_seed(state.step)
+        x = torch.randint(0, VOCAB, (4, 4), generator=g).chunk(world)[rank]
+        opt.zero_grad()
+        F.cross_entropy(model(x).reshape(-1, VOCAB), x.roll(1, 1).reshape(-1)).backward()
+        opt.step()
+        state.step += 1
+    if not load_under:
+        state.save(path)
+    from mgpu_lab.training.state_dicts import model_state
+    return model_state(model)
+
+
+def test_a_checkpoint_resumes_under_another_wrapper_and_rank_count(tmp_path):
+    """Saved under FSDP, torch DDP or fully_shard on 2 ranks; resumed under each other one on 2 ranks,
+    and in one process: the weights after two more steps equal the one-process run's."""
+    def path(w):
+        return str(tmp_path / f"{w}.pt")
+    for w in WRAPPERS_ACROSS:
+        launch(_portable, nprocs=2, args=(path(w), w, None, 2), timeout=120)
+    reference = TiedNet(seed=0)
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=0.02)
+    for step in range(4):
+        x = torch.randint(0, VOCAB, (4, 4), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        F.cross_entropy(reference(x).reshape(-1, VOCAB), x.roll(1, 1).reshape(-1)).backward()
+        opt.step()
+    for saved in WRAPPERS_ACROSS:
+        for loaded in [w for w in WRAPPERS_ACROSS if w != saved]:
+            got = launch(_portable, nprocs=2, args=(path(saved), None, loaded, 4), timeout=120)[0]
+            for name, w in reference.state_dict().items():
+                torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"saved under {saved}, resumed under {loaded}: {name}: {m}")
+        one = TiedNet(seed=1)  # one process: the plain model, from any of them
+        state = TrainState(one, torch.optim.AdamW([p for p in one.parameters() if p.requires_grad], lr=0.02))
+        with pytest.warns(UserWarning, match="written by 2 rank"):
+            state.load(path(saved))
+        assert state.optimizer.state_dict()["state"], saved  # Adam's moments came along
+
+
+def test_a_checkpoint_that_cannot_load_says_what_it_holds_and_what_to_do(tmp_path):
+    path = str(tmp_path / "fsdp.pt")
+    launch(_portable, nprocs=2, args=(path, "fsdp", None, 1), timeout=120)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    with pytest.raises(KeyError, match=r"saved under fsdp on 2 rank\(s\).*build the same model"):
+        TrainState(other).load(path)
+    old = load_checkpoint(path)  # the format before per-parameter state: FSDP's optimizer state per rank
+    old.pop("format")
+    old["optimizer"] = {"per_rank": [{"state": {}, "param_groups": []}] * 2}
+    save_checkpoint(path, **old)
+    model = TiedNet(seed=0)
+    state = TrainState(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+    with pytest.raises(ValueError, match=r"per-rank state of 2 ranks.*Resume once under FSDP on 2 ranks"):
+        state.load(path)
+
+
+def test_a_sharded_checkpoint_survives_a_crash_mid_save(tmp_path, monkeypatch):
+    from mgpu_lab.training import sharded_checkpoint
+    model = TiedNet(seed=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.02)
+    F.cross_entropy(model(torch.arange(8).view(2, 4)).reshape(-1, VOCAB), torch.arange(8)).backward()
+    opt.step()
+    folder = str(tmp_path / "ckpt")
+    state = TrainState(model, opt, step=1, sharded=True)
+    state.save(folder)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def crash(*args, **kwargs):
+        raise OSError("the node lost power")
+    monkeypatch.setattr(sharded_checkpoint, "_write_text", crash)   # after the tensors, before the switch
+    state.step = 2
+    with torch.no_grad():
+        model.hidden.weight.add_(1.0)
+    with pytest.raises(OSError, match="lost power"):
+        state.save(folder)
+    monkeypatch.undo()
+    fresh = TiedNet(seed=3)
+    again = TrainState(fresh, torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad]))
+    assert again.load(folder) and again.step == 1   # the previous generation, whole
+    for name, w in saved.items():
+        assert torch.equal(fresh.state_dict()[name], w), name
+    assert again.optimizer.state_dict()["state"]

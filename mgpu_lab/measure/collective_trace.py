@@ -29,7 +29,14 @@ position: a peer that made a *different* call there, or left the traced region
 without making it, will never match, so it raises at once instead of letting
 the backend pair mismatched messages (gloo may abort the process, NCCL may hang
 or read garbage). Works inside ``launch()`` and under torchrun (any process
-group with a store). Costs 1 + 2·(N-1) small store messages per collective
+group with a store). DTensor's collectives (``fully_shard``, ``parallelize_module``,
+sequence parallelism, ``full_tensor()``) go through
+``torch.distributed._functional_collectives`` (``all_reduce``, ``all_gather_single``,
+``reduce_scatter_single``, ...) and DTensor's all-to-all: those are traced too, under
+their own names. ``report()`` after the region waits until every rank has left it
+(at most ``timeout`` seconds, else 60) before it compares, so a rank
+that is merely slower is not taken for one that disagrees. A collective that fails
+because a peer died says so, rather than blaming a mismatch. Costs 1 + 2·(N-1) small store messages per collective
 while active (``benchmarks/bench_faults.py`` measures it); nothing when inactive. Limits: calls made from C++ (torch's DDP
 reducer) are not seen — use ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` there; waits on
 ``async_op=True`` handles and on the ``*_object`` and point-to-point calls are
@@ -44,13 +51,17 @@ import json
 import os
 import sys
 import threading
+import time
 from contextlib import ContextDecorator
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import distributed_c10d as c10d
+
+from ..runtime._diagnosis import collective_failed, peer_died
 
 from .trace_compare import _END, P2P, Divergence, _key, describe, format_report
 
@@ -67,13 +78,18 @@ _TENSOR_ARG = {
     "send": (0, "tensor"), "recv": (0, "tensor"), "isend": (0, "tensor"), "irecv": (0, "tensor"),
     "batch_isend_irecv": (None, None),
 }
+# torch.distributed._functional_collectives (DTensor's): the tensor is the first argument
+_FUNCOL_OPS = ("all_reduce", "all_gather_single", "all_gather_tensor", "reduce_scatter_single",
+               "reduce_scatter_tensor", "all_to_all_single", "all_gather_single_autograd",
+               "all_gather_tensor_autograd", "reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd",
+               "all_to_all_single_autograd", "all_reduce_coalesced", "broadcast")
 _ROOT_ARG = {"broadcast": (1, "src"), "reduce": (1, "dst"), "gather": (2, "dst"), "scatter": (2, "src"),
              "send": (1, "dst"), "recv": (1, "src"), "isend": (1, "dst"), "irecv": (1, "src")}
 _TIMED = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
           "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
           "gather", "scatter", "barrier"}
 _SKIP_FILES = (os.path.dirname(torch.__file__), __file__.rstrip("c"), os.path.dirname(functools.__file__),
-               os.path.join(os.path.dirname(os.path.dirname(__file__)), "runtime", "launch.py"))
+               os.path.join(os.path.dirname(os.path.dirname(__file__)), "runtime", "launch.py"))  # noqa: E501
 _trace_ids = itertools.count()
 _local = threading.local()  # per thread: depth of nested traced calls
 _active: List["CollectiveTrace"] = []  # the patching is per process: one trace at a time
@@ -121,6 +137,12 @@ class CollectiveTrace(ContextDecorator):
                 if hasattr(module, op):
                     saved[op] = getattr(module, op)
                     setattr(module, op, self._wrap(op, saved[op]))
+        for module, ops in _dtensor_modules():
+            saved = self._saved.setdefault(module, {})
+            for op in ops:
+                if hasattr(module, op):
+                    saved[op] = getattr(module, op)
+                    setattr(module, op, self._wrap(op, saved[op], funcol=True))
         _active.append(self)
         return self
 
@@ -148,12 +170,12 @@ class CollectiveTrace(ContextDecorator):
         except Exception:
             return None
 
-    def _wrap(self, op: str, fn):
+    def _wrap(self, op: str, fn, funcol: bool = False):
         @functools.wraps(fn)
         def traced(*args, **kwargs):
             if getattr(_local, "depth", 0) > 0:  # inside another traced call (*_object): time it, don't record
-                return self._call(op, fn, args, kwargs)
-            record = _describe_call(op, args, kwargs)
+                return fn(*args, **kwargs) if funcol else self._call(op, fn, args, kwargs)
+            record = _describe_funcol(op, args) if funcol else _describe_call(op, args, kwargs)
             record["i"] = len(self.records)
             self.records.append(record)
             if op not in P2P:
@@ -163,7 +185,7 @@ class CollectiveTrace(ContextDecorator):
                 self._check_peers(record)
             _local.depth = 1
             try:
-                result = self._call(op, fn, args, kwargs)
+                result = fn(*args, **kwargs) if funcol else self._call(op, fn, args, kwargs)
             except RuntimeError as exc:
                 raise self._error(record, exc) from exc
             finally:
@@ -196,6 +218,20 @@ class CollectiveTrace(ContextDecorator):
         return None
 
     # ------------------------------------------------------------------ reporting
+    def wait_for_ranks(self, timeout: Optional[float] = None) -> List[int]:
+        """Wait until every rank has left the traced region (at most ``timeout`` seconds: the
+        trace's own, else 60); returns the ranks still inside."""
+        if self._store is None:
+            return []
+        if timeout is None:
+            timeout = self.timeout if self.timeout is not None else 60.0
+        deadline, inside = time.monotonic() + timeout, list(range(self.world_size))
+        while True:
+            inside = [r for r in inside if self._peek(r, "end") is None]
+            if not inside or time.monotonic() >= deadline:
+                return inside
+            time.sleep(0.01)
+
     def gather(self) -> Dict[int, List[dict]]:
         """Every rank's compared calls as published in the store (this rank's alone without one),
         ending with an ``<end>`` record for a rank that left the traced region."""
@@ -214,11 +250,22 @@ class CollectiveTrace(ContextDecorator):
             traces[rank] = recs
         return traces
 
-    def report(self) -> str:
-        return format_report(self.gather())[0]
+    def report(self, wait: bool = True) -> str:
+        """Every rank's sequence compared; after the region, first wait for every rank to leave it
+        (``wait_for_ranks``), so that a slower rank is not reported as one that disagrees."""
+        still = self.wait_for_ranks() if wait and not self._saved else []
+        text = format_report(self.gather())[0]
+        if still:
+            text += (f"\n(ranks {still} had not left the traced region after waiting: still running, "
+                     "or stuck; their sequences may be incomplete)")
+        return text
 
     def _error(self, record: dict, exc: Optional[Exception]) -> CollectiveError:
         text, div = format_report(self.gather())
+        if exc is not None and peer_died(str(exc)):
+            dead = collective_failed(f"{describe(record)} (collective #{record.get('n', record['i'])}, at "
+                                     f"{record.get('where')})", exc)
+            return CollectiveError(f"{dead}\n{text}", text, div)
         if exc is None:
             what = "not started: the ranks disagree (see below)"
         else:
@@ -236,6 +283,27 @@ def collective_trace(timeout: Optional[float] = None) -> CollectiveTrace:
 
 
 # --------------------------------------------------------------------------- helpers
+
+def _dtensor_modules():
+    """Where DTensor looks its collectives up at call time: (module, names to patch)."""
+    out = [(funcol, _FUNCOL_OPS)]
+    try:
+        from torch.distributed.tensor import placement_types
+        out.append((placement_types, ("shard_dim_alltoall",)))
+    except ImportError:
+        pass
+    return out
+
+
+def _describe_funcol(op: str, args) -> dict:
+    tensor = args[0] if args else None
+    record: Dict[str, Any] = {"op": op, "shape": None, "dtype": None, "root": None, "where": _call_site()}
+    if isinstance(tensor, (list, tuple)) and tensor and isinstance(tensor[0], torch.Tensor):
+        record["shape"], record["dtype"] = [list(t.shape) for t in tensor], str(tensor[0].dtype).replace("torch.", "")
+    elif isinstance(tensor, torch.Tensor):
+        record["shape"], record["dtype"] = list(tensor.shape), str(tensor.dtype).replace("torch.", "")
+    return record
+
 
 def _describe_call(op: str, args, kwargs) -> dict:
     record: Dict[str, Any] = {"op": op, "shape": None, "dtype": None, "root": None, "where": _call_site()}

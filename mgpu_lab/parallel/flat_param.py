@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime._diagnosis import collective_failed
+
 
 class Comm:
     """FSDP's process group and its two collectives, with a byte count and an error that says why."""
@@ -58,8 +60,8 @@ class Comm:
         try:
             return fn(out, inp, group=self.group, async_op=async_op)
         except RuntimeError as e:
-            raise RuntimeError(f"rank {dist.get_rank()}: FSDP {what} failed ({e}). Every rank must run the "
-                               "same units in the same order (same forward, same backward).") from e
+            raise collective_failed(f"FSDP {what}", e, self.group, "Every rank must run the same units in "
+                                    "the same order (same forward, same backward).") from e
 
 
 class FlatGroup:
@@ -152,7 +154,11 @@ class FlatGroup:
             out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
             self.pending.append((self.comm.reduce_scatter(out, grad), out))
         for work, out in self.pending:
-            work.wait()  # bounded by the process group's timeout
+            try:
+                work.wait()  # bounded by the process group's timeout
+            except RuntimeError as e:
+                raise collective_failed("FSDP reduce-scatter", e, self.comm.group,
+                                        "Every rank must run the same units in the same order.") from e
             out = out.to(self.shard.dtype).div_(self.comm.world_size)
             if self.shard.grad is None:
                 self.shard.grad = out

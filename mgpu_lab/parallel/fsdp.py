@@ -38,6 +38,11 @@ backward. The first of those hooks queues a callback with autograd's engine that
 runs when backward ends: it waits for the reduce-scatters, so the shards'
 ``.grad`` are complete when ``backward()`` returns (as FSDP2's final callback).
 
+The shards stay reachable from the wrapped module, as FSDP1 registers its flat
+parameters (``unit._flat_param``; ``_flat_param_frozen`` for frozen ones): an
+optimizer over ``net.parameters()`` gets the same shards as one over
+``FSDP(net).parameters()``, as with torch's ``fully_shard``.
+
 Training with it: ``state_dict()`` / ``load_state_dict()`` hold the full weights
 under the plain module's names (a collective), so a checkpoint loads into the
 unwrapped model; ``no_sync()`` (FSDP2: ``set_requires_gradient_sync(False)``)
@@ -133,6 +138,10 @@ class FSDP(nn.Module):
                 u.register_forward_pre_hook(self._pre_forward(groups), with_kwargs=True)
                 u.register_forward_hook(self._post_forward(groups))
         self._shards = nn.ParameterList([g.shard for _, _, gs in self._units for g in gs])
+        for _, u, gs in self._units:  # reachable from the plain module too, as fully_shard keeps them:
+            for g in gs:              # an optimizer over net.parameters() gets the same shards
+                (module if u is None else u).register_parameter(
+                    "_flat_param" if g.requires_grad else "_flat_param_frozen", g.shard)
         with torch.no_grad():
             for b in module.buffers():
                 dist.broadcast(b, src=self._comm.src, group=process_group)

@@ -98,9 +98,18 @@ def process_group(model: nn.Module):
     model, kind = _compiled(model), wrapper_kind(model)
     if kind in ("torch_ddp", "ddp", "fsdp"):
         return model.process_group
-    if kind == "fully_shard":
-        return next(p for p in model.parameters()).device_mesh.get_group()
+    if kind == "fully_shard":  # the mesh dimension FSDP shards over (dp of a 2-D dp x tp mesh)
+        return _fully_shard_group(model)
     return None
+
+
+def _fully_shard_group(model: nn.Module):
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None) if isinstance(m, FSDPModule) else None
+        if group is not None:  # private API (torch >= 2.6); else the parameters' own 1-D mesh
+            return group.mesh_info.shard_process_group
+    return next(p for p in model.parameters()).device_mesh.get_group()
 
 
 def world_size(model: nn.Module) -> int:

@@ -158,3 +158,33 @@ def returned_while_waiting(returned: Sequence[int], waits: Dict[int, Optional[st
     lines = [f"{who} returned from fn while rank {r} was still in {p}" for r, p in sorted(waiting.items())]
     return ("\n".join(lines) + ".\nEvery rank must make the same collective calls in the same order: look for a "
             "rank-dependent branch, or ranks running different numbers of steps.\n")
+
+
+# gloo: "Connection closed by peer [127.0.0.1]:4242", "Connection reset by peer", "Broken pipe";
+# NCCL: "remote process exited or there was a network error", a communicator aborted by its watchdog
+_DEAD_PEER = re.compile(r"[Cc]onnection (closed|reset) by peer|Broken pipe|remote process exited|"
+                        r"NCCL communicator was aborted|Socket Timeout|connection refused", re.I)
+
+
+def peer_died(text: str) -> bool:
+    """Does a collective's error say that a peer process went away (died, was killed, exited)?"""
+    return bool(_DEAD_PEER.search(text))
+
+
+def collective_failed(what: str, exc: BaseException, group=None, otherwise: str = "") -> RuntimeError:
+    """The error to raise when ``what`` (a collective) failed with ``exc``: a peer that died is
+    named as such (this rank is a bystander: the cause is in the dead rank's own output);
+    any other failure gets ``otherwise`` (advice) appended."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if peer_died(str(exc)):
+        try:
+            peers = [r for r in dist.get_process_group_ranks(group or dist.group.WORLD) if r != rank]
+        except Exception:
+            peers = []
+        who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}" if peers else "a peer"
+        return RuntimeError(f"rank {rank}: {what} failed because {who} of its group died or left ({first}). "
+                            "This rank is fine: the cause is in that rank's own output (an exception, or a "
+                            "death by signal such as the out-of-memory killer's SIGKILL)")
+    return RuntimeError(f"rank {rank}: {what} failed ({first}).{' ' + otherwise if otherwise else ''}")

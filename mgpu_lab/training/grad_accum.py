@@ -48,6 +48,16 @@ average gradients over the W ranks, so the factor applied is W / N; clipping
 Every rank must run the same number of micro-steps and call ``flush()``
 together (they are collectives).
 
+DTensor models (``fully_shard``, ``parallelize_module``, both on a 2-D mesh): N is
+summed over the *data-parallel* group the model's FSDP reduces over (the
+tensor-parallel ranks of a row read the same items), and clipping uses the norm over
+every rank's pieces of any mix of DTensor and plain parameters, computed once
+(:mod:`~mgpu_lab.training.grad_norm`). A pipeline stage (``model=stage``; mgpu_lab's
+or torch's) runs its backward inside the schedule's ``step()``: give the schedule a
+loss *summed* over the micro-batch's items (``reduction="sum"``, ``scale_grads=False``)
+and tell the accumulator what that step held with ``record(num_samples)``; the norm
+then spans every stage.
+
 With a loss scaler (the ``torch.amp.GradScaler`` API: ``scale``, ``unscale_``,
 ``step``, ``update``, ``get_scale``; ``mgpu_lab.LossScaler`` has it too) every
 micro-batch's loss is scaled; unscale, the 1/N division, clipping, step and
@@ -62,6 +72,7 @@ all-reduce of a single number (the item count).
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager, nullcontext
 from numbers import Number
 from typing import Iterator, List, Optional
@@ -71,6 +82,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import wrappers
+from ..runtime._diagnosis import collective_failed
+from . import state_dicts
+from .grad_norm import GlobalGradNorm, piece_of
 
 
 class GradientAccumulator:
@@ -86,8 +100,12 @@ class GradientAccumulator:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, accumulation_steps: int,
                  scaler=None, max_grad_norm: Optional[float] = None):
+        module = getattr(model, "submod", getattr(model, "module", None)) if _is_stage(model) else model
+        self._pipeline = module is not model  # a pipeline stage: other ranks hold the other layers
+        model = module
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module (the DDP wrapper if there is one), got {type(model).__name__}")
+            raise TypeError(f"model must be an nn.Module (the DDP wrapper if there is one) or a pipeline stage, "
+                            f"got {type(model).__name__}")
         if not hasattr(optimizer, "step") or not hasattr(optimizer, "zero_grad"):
             raise TypeError(f"optimizer must be a torch optimizer, got {type(optimizer).__name__}")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
@@ -109,6 +127,8 @@ class GradientAccumulator:
         self._count = 0          # local items in the current window (int, float or tensor)
         self._unsynced = False   # the window holds gradients no rank has exchanged yet
         self._ctx = None         # the open micro_step(): {"sync", "last", "backward"}
+        self._warned_no_sync = False
+        self._norm: Optional[GlobalGradNorm] = None  # built at the first clipping (a collective)
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: Optional[torch.Tensor] = None
@@ -150,6 +170,18 @@ class GradientAccumulator:
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         if not loss.requires_grad:
             raise ValueError("loss does not require grad: compute it from the model's output, outside torch.no_grad()")
+        num_samples = self._enter_backward(num_samples)
+        summed = loss.reshape(()) * num_samples           # sum semantics: exact whatever the counts
+        (self.scaler.scale(summed) if self.scaler is not None else summed).backward()
+        return self._after_backward(num_samples)
+
+    def record(self, num_samples) -> bool:
+        """Count a micro-batch whose backward already ran elsewhere (a pipeline schedule's
+        ``step()``), with the *sum* of its items' losses (scaled by the scaler, if any);
+        step when the window is complete. Returns True when an optimizer step was taken."""
+        return self._after_backward(self._enter_backward(num_samples))
+
+    def _enter_backward(self, num_samples):
         if isinstance(num_samples, torch.Tensor):
             if num_samples.numel() != 1:
                 raise ValueError(f"num_samples must be one number, got a tensor of shape {tuple(num_samples.shape)}")
@@ -161,9 +193,15 @@ class GradientAccumulator:
             if self._ctx["backward"]:
                 raise RuntimeError("backward() called twice in one micro_step(): open one micro_step() per micro-batch")
             self._ctx["backward"] = True
+        elif self._uses_no_sync and self.accumulation_steps > 1 and not self._warned_no_sync:
+            self._warned_no_sync = True
+            warnings.warn(f"GradientAccumulator: backward outside micro_step() under {type(self.model).__name__}: "
+                          "every micro-batch all-reduces its gradients (the numbers are right, the traffic is "
+                          f"{self.accumulation_steps}x). Wrap each micro-batch's forward and backward in "
+                          "`with acc.micro_step():`", stacklevel=3)
+        return num_samples
 
-        summed = loss.reshape(()) * num_samples           # sum semantics: exact whatever the counts
-        (self.scaler.scale(summed) if self.scaler is not None else summed).backward()
+    def _after_backward(self, num_samples) -> bool:
         self._micro += 1
         self._count = self._count + num_samples
 
@@ -195,7 +233,11 @@ class GradientAccumulator:
             return float(self._count)
         device = self._params[0].device if self._params else torch.device("cpu")
         t = torch.as_tensor(self._count, dtype=torch.float64).reshape(1).to(device)
-        dist.all_reduce(t, group=self._group)
+        try:
+            dist.all_reduce(t, group=self._group)
+        except RuntimeError as exc:
+            raise collective_failed("GradientAccumulator's item count (all-reduce)", exc, self._group,
+                                    "Every rank must run the same number of micro-steps.") from exc
         return t.item()
 
     def _step(self) -> bool:
@@ -207,11 +249,11 @@ class GradientAccumulator:
         before = self.scaler.get_scale() if self.scaler is not None else None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self._params if p.grad is not None]
+        grads = [_local(p.grad) for p in self._params if p.grad is not None]
         if grads:  # ranks averaged (W ranks) sums of items: back to the mean over N items
             torch._foreach_mul_(grads, self.world_size / total)
         if self.max_grad_norm is not None:
-            self.last_grad_norm = wrappers.clip_grad_norm_(self.model, self._params, self.max_grad_norm)
+            self.last_grad_norm = self._clip()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -225,13 +267,49 @@ class GradientAccumulator:
         self._micro, self._count, self._unsynced = 0, 0, False
         return stepped
 
+    def _clip(self) -> torch.Tensor:
+        """Clip by the norm of the whole gradient: every rank's pieces when the model is spread
+        over ranks (sharded, DTensor, pipeline), this process's gradients otherwise."""
+        spread = self._pipeline or self._kind in ("fsdp", "fully_shard") or any(
+            _is_dtensor(p) for p in self._params)
+        if not spread:
+            return wrappers.clip_grad_norm_(self.model, self._params, self.max_grad_norm)
+        if self._norm is None:
+            names = state_dicts.parameter_names(self.model)
+            flat_rank = wrappers.unwrap(self.model).rank if self._kind == "fsdp" else -1
+            self._norm = GlobalGradNorm(self._params, [piece_of(p, names[id(p)], flat_rank) for p in self._params])
+        return self._norm.clip_(self.max_grad_norm)
+
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # noqa: D105
         ddp = "one process" if self._kind == "local" else type(self.model).__name__
         return (f"GradientAccumulator(accumulation_steps={self.accumulation_steps}, {ddp}, "
                 f"world_size={self.world_size}, "
                 f"scaler={type(self.scaler).__name__ if self.scaler is not None else None}, "
                 f"max_grad_norm={self.max_grad_norm})")
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor gradient (scaled in place), or the tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _is_stage(model) -> bool:
+    """A pipeline stage (mgpu_lab's PipelineStage, torch.distributed.pipelining's), not an nn.Module."""
+    if isinstance(model, nn.Module):
+        return False
+    from ..parallel.pipeline_stage import PipelineStage
+    if isinstance(model, PipelineStage):
+        return True
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:
+        return False
+    return isinstance(model, _PipelineStageBase)

@@ -12,7 +12,10 @@ under a process group the "found an inf" flag is all-reduced (MAX) so that
 every rank skips together, also when ranks' gradients are not synchronised
 (accumulation under ``no_sync``, sharded gradients); GradScaler relies on
 all-reduced gradients carrying the inf to every rank (torch's FSDP has its own
-``ShardedGradScaler`` for this reason).
+``ShardedGradScaler`` for this reason). DTensor gradients (``fully_shard``,
+``parallelize_module``, both on a 2-D mesh) are read through their local pieces,
+and the default group is every rank of the mesh, every pipeline stage too: one
+rank's overflow in one shard skips the step on all of them.
 
 Cost per step: one read of every gradient to look for inf/NaN, one in-place
 multiply to unscale, a handful of scalar kernels for the update, one
@@ -26,6 +29,8 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+from ..runtime._diagnosis import collective_failed
 
 READY, UNSCALED, STEPPED = "ready", "unscaled", "stepped"  # per-optimizer stage within an iteration
 
@@ -176,7 +181,11 @@ class LossScaler:
             flag = found_inf
             if dist.get_backend(self.group) == "nccl" and flag.device.type != "cuda":
                 flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # bounded by the group's timeout
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)  # bounded by the group's timeout
+            except RuntimeError as exc:
+                raise collective_failed("LossScaler's found-inf flag (all-reduce)", exc, self.group,
+                                        "Every rank must call unscale_/step together.") from exc
             found_inf = flag.to(found_inf.device)
         return found_inf
 

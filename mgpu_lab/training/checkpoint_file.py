@@ -1,0 +1,163 @@
+"""One checkpoint file: written atomically, loaded without running code from it.
+
+1. **Atomic**: ``save_checkpoint`` writes to a temporary file in the same folder,
+   flushes and fsyncs it, then ``os.replace``-s it over the old name (a rename
+   is atomic on one file system) and fsyncs the folder so the rename itself
+   survives a power cut. A crash or a SIGKILL mid-write leaves the previous
+   checkpoint whole (and at worst a stray ``.NAME.*.tmp`` file). Under a process
+   group only rank 0 writes; the others wait at a barrier until it is done, so
+   nobody reads a file that is not there yet. Cost: one file write and one
+   barrier per save.
+2. **Safe to load**: a ``.pt`` file is a pickle, and unpickling can call any
+   function (``os.system`` included). ``load_checkpoint`` uses
+   ``torch.load(weights_only=True)``, which only rebuilds tensors, numbers,
+   strings and containers; a file that carries anything else is refused with
+   ``UnsafeCheckpointError`` before any of it runs. ``save_checkpoint`` refuses to
+   write such objects in the first place (store ``obj.state_dict()`` instead).
+
+:class:`~mgpu_lab.training.train_state.TrainState` writes its one-file checkpoints with these.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from collections import OrderedDict
+from datetime import timedelta
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+from ..runtime._diagnosis import peer_died
+
+_SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
+                torch.Size)
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """The file holds pickled objects that loading would have to execute; nothing ran."""
+
+
+# --------------------------------------------------------------------------- atomic save, safe load
+
+def save_checkpoint(path: str, **state: Any) -> None:
+    """Write ``state`` (tensors, numbers, strings, dicts/lists of them) to ``path`` atomically.
+
+    Under a process group every rank must call it: rank 0 writes, the others
+    wait at a barrier until the file is in place. The wait is bounded by the
+    process group's timeout and its error names the rank waited for.
+    """
+    if not state:
+        raise ValueError("save_checkpoint(path, **state): give what to save, e.g. model=model.state_dict()")
+    _check_loadable(state, "state")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        _atomic_save(state, os.fspath(path))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _barrier(f"save_checkpoint({os.fspath(path)!r})")
+
+
+def load_checkpoint(path: str, map_location=None) -> Dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True``: tensors and plain data only.
+
+    ``map_location`` moves tensors as they load (``"cpu"``, ``rank_device()``, or a
+    dict such as ``{"cuda:1": "cuda:0"}``) — use it to load on another device count.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"load_checkpoint: no checkpoint at {path!r} (nothing saved yet, or a wrong path)")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        detail = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line),
+                      str(exc).splitlines()[0] if str(exc) else "")
+        raise UnsafeCheckpointError(
+            f"load_checkpoint: {path!r} carries pickled Python objects that loading would execute ({detail}). "
+            "Refused: nothing in it ran. Checkpoints from save_checkpoint hold only tensors, numbers, strings "
+            "and containers. Only if you made this file yourself and trust it: torch.load(path, weights_only=False)."
+        ) from None
+
+
+def _atomic_save(state: Dict[str, Any], path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual file mode
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a mix
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # POSIX: make the rename itself durable
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _check_loadable(obj: Any, where: str) -> None:
+    """Refuse, before writing, what ``weights_only=True`` would refuse when loading."""
+    if isinstance(obj, _SAFE_LEAVES):
+        return
+    if isinstance(obj, (dict, OrderedDict)):
+        for key, value in obj.items():
+            if not isinstance(key, (str, int, float, bool, type(None), tuple)):
+                raise TypeError(f"save_checkpoint: {where} has a key of type {type(key).__name__}; use str or int keys")
+            _check_loadable(value, f"{where}[{key!r}]")
+        return
+    if isinstance(obj, (list, tuple, set)):
+        for i, value in enumerate(obj):
+            _check_loadable(value, f"{where}[{i}]")
+        return
+    if type(obj) in torch.serialization.get_safe_globals():
+        return
+    hint = " (store its .state_dict())" if hasattr(obj, "state_dict") else ""
+    raise TypeError(
+        f"save_checkpoint: {where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+        f"load_checkpoint (weights_only=True) would refuse{hint}. Save tensors, numbers, strings and containers."
+    )
+
+
+def _group_timeout() -> timedelta:
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return pg._get_backend(device).options._timeout
+    except Exception:  # private API: fall back to torch's default
+        return dist.distributed_c10d.default_pg_timeout
+
+
+def _barrier(what: str) -> None:
+    """Wait for every rank, bounded by the group's timeout; the error names who was waited for.
+
+    On gloo, ``monitored_barrier``: rank 0 collects every other rank and names the
+    ones that did not arrive; the others wait for rank 0. On NCCL a plain barrier
+    (its watchdog enforces the timeout).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timeout = _group_timeout()
+    waited_for = f"ranks {list(range(1, world))}" if rank == 0 else "rank 0 (it writes the file)"
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        else:
+            dist.barrier()
+    except RuntimeError as exc:
+        if peer_died(str(exc)):  # not a slow peer: a dead (or departed) one
+            raise RuntimeError(f"rank {rank}: {what} waited for {waited_for} at the barrier after the write, and "
+                               f"one of them died or left ({str(exc).strip().splitlines()[0]}). This rank is fine: "
+                               "the cause is in that rank's own output (an exception, a death by signal, or it "
+                               "returned without calling save)") from exc
+        raise RuntimeError(f"rank {rank}: {what} waited up to {timeout.total_seconds():g} s for {waited_for} "
+                           f"at the barrier after the write, and failed: {exc}") from exc
