@@ -18,13 +18,13 @@ import pytest
 
 from mgpu_lab.cli import main as cli
 from mgpu_lab.course import guard
-from mgpu_lab.course.grader import (ExerciseScore, NotebookGrade, brief, grade_notebook,
-                                    load_solutions, match_lab, prepare_submission,
-                                    static_check)
+from mgpu_lab.course.grader import grade_notebook, load_solutions, match_lab
 from mgpu_lab.course.kernel import run_notebook
 from mgpu_lab.course.notebooks import make_lab
 from mgpu_lab.course.report import print_table
 from mgpu_lab.course.sandbox import Limits, Sandbox, probe
+from mgpu_lab.course.scoring import ExerciseScore, NotebookGrade, brief
+from mgpu_lab.course.submission import prepare_submission
 from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"
@@ -302,12 +302,11 @@ def test_lab00_solution_full_marks_and_lab_zero_in_the_sandbox(tmp_path, capsys)
     assert all(e["score"] == 0 and e["error"] for e in lab["exercises"]), lab["exercises"]
 
 
-@pytest.mark.parametrize("flags", [[], ["--require-sandbox"]])
-def test_without_a_sandbox_grading_refuses_unless_told_no_sandbox(monkeypatch, capsys, flags):
+def test_without_a_sandbox_grading_refuses_unless_told_no_sandbox(monkeypatch, capsys):
     """Sandboxed by default: no bubblewrap is an error that says how to install it and why."""
     import mgpu_lab.course.classroom as classroom
     monkeypatch.setattr(classroom, "probe", lambda hidden=(): Sandbox(False, "bwrap not found"))
-    assert cli(["grade", str(TOY), "--solutions", str(DATA / "solutions")] + flags) == 2
+    assert cli(["grade", str(TOY), "--solutions", str(DATA / "solutions")]) == 2
     out = capsys.readouterr()
     assert out.out.splitlines()[0].startswith("sandbox: OFF (bwrap not found)")
     assert "apt-get install bubblewrap" in out.err and "--no-sandbox" in out.err
@@ -328,15 +327,15 @@ def test_a_probe_already_scored_zero_is_neither_run_nor_judged(tmp_path, monkeyp
     """An exercise the static pass has scored 0 (here: tampering) is settled: its probe,
     which would loop until the cell's time limit, is not run, and its judge is not
     asked; the next exercise is graded as usual."""
-    import mgpu_lab.course.grader as grader
+    import mgpu_lab.course.session as session
     judged = []
 
-    class Recording(grader.Judge):
+    class Recording(session.JudgeProcess):
         def verdict(self, grade_id, *args, **kwargs):
             judged.append(grade_id)
             return super().verdict(grade_id, *args, **kwargs)
 
-    monkeypatch.setattr(grader, "Judge", Recording)
+    monkeypatch.setattr(session, "JudgeProcess", Recording)
     write(toy(add="math.pi = 3.0\ndef add(a, b):\n    while True:\n        pass"),
           tmp_path / "sneaky.ipynb")
     box = SANDBOX if SANDBOX.available else Sandbox(False, "no bubblewrap here")
@@ -377,7 +376,8 @@ def test_prepare_submission_uses_the_instructors_cells_without_their_source():
 
 
 def test_static_check_resolves_import_aliases_and_tensor_methods():
-    aliases = guard.import_aliases(["import torch.distributed as d\nfrom mgpu_lab import scatter as sc"])
+    from mgpu_lab.course.cells import import_aliases, parse
+    aliases = import_aliases([parse("import torch.distributed as d\nfrom mgpu_lab import scatter as sc")])
     src = "def f(x):\n    sc(x)\n    x.chunk(2)\n    d.all_reduce(x)\n    torch.nn.parallel.scatter_gather.scatter"
     forbidden = ["mgpu_lab.scatter", "torch.Tensor.chunk", "torch.distributed.all_reduce",
                  "torch.nn.parallel.scatter"]
@@ -385,7 +385,7 @@ def test_static_check_resolves_import_aliases_and_tensor_methods():
     assert guard.static_violations("def f(x):\n    return x[:2]", forbidden, aliases) == []
     # A cell that starts with IPython syntax is still read (the kernel runs it as Python).
     magic = "%matplotlib inline\nfrom mgpu_lab import scatter as s2\ndef f(x):\n    return s2(x)"
-    assert guard.import_aliases([magic]) == {"s2": "mgpu_lab.scatter"}
+    assert import_aliases([parse(magic)]) == {"s2": "mgpu_lab.scatter"}
     assert guard.static_violations(magic, forbidden, {}) == ["mgpu_lab.scatter"]
 
 
@@ -430,8 +430,9 @@ FROM_SCRATCH = {  # lab -> graded cells of from-scratch exercises (labs 00-04)
 def test_a_cheat_calling_the_reference_scores_zero_in_every_from_scratch_exercise(lab):
     """Each from-scratch exercise names its references; a solution calling one is caught,
     the instructor's solution is not."""
-    from mgpu_lab.course.submission import exercise_of, forbidden_of
-    from mgpu_lab.course.notebooks import BEGIN_SOLUTION, END_SOLUTION, graded_cells
+    from mgpu_lab.course.cells import exercise_of, graded_cells
+    from mgpu_lab.course.guard import forbidden_of, notebook_violations as static_check
+    from mgpu_lab.course.notebooks import BEGIN_SOLUTION, END_SOLUTION
     solution = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
     assert static_check(solution, solution) == {}
     tests, exercise = graded_cells(solution), exercise_of(solution)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mgpu_lab.course import graded_cell
-from mgpu_lab.course.judge import Judge, JudgeError, dumps, loads
+from mgpu_lab.course.judge import JudgeError, JudgeProcess, dumps, loads
 from mgpu_lab.course.notebooks import MarkerError, check_notebook, make_lab
 from mgpu_lab.course.tamper import findings, tampering
 from conftest import ROOT
@@ -65,7 +65,7 @@ def test_a_graded_cell_without_its_markers_is_refused_by_labs_build(source, why)
 @pytest.fixture()
 def judge(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    j = Judge(env, str(tmp_path), timeout=60)
+    j = JudgeProcess(env, str(tmp_path), timeout=60)
     j.setup(["import torch", "%matplotlib inline\nscale = 2"])
     yield j
     j.close()
@@ -77,11 +77,12 @@ def test_the_judge_sends_plain_inputs_and_decides_on_plain_answers(judge):
     assert sorted(ship) == ["spec", "x"] and drop == ["net"]      # a module does not cross
     assert torch.equal(loads(ship["x"]), torch.arange(3.0))
     judge_part = "assert torch.equal(mine, x * scale) and isinstance(net, torch.nn.Linear)"
-    assert judge.verdict("t", judge_part, {"mine": dumps(torch.arange(3.0) * 2)}, []) == (None, "")
+    assert judge.verdict("t", judge_part, {"mine": dumps(torch.arange(3.0) * 2)}, []).ok
     judge.inputs("t", "x = torch.arange(3.0)")
-    error, message = judge.verdict("t", "assert torch.equal(mine, x * scale), 'f doubles'",
-                                   {"mine": dumps(torch.zeros(3))}, [])
-    assert (error, message) == ("AssertionError", "f doubles")
+    reply = judge.verdict("t", "\nassert torch.equal(mine, x * scale), 'f doubles'",
+                          {"mine": dumps(torch.zeros(3))}, [])
+    assert (reply.ok, reply.error, reply.message, reply.line) == (False, "AssertionError",
+                                                                  "f doubles", 2)
 
 
 def test_the_judge_never_unpickles_code(judge, tmp_path):
@@ -94,9 +95,9 @@ def test_the_judge_never_unpickles_code(judge, tmp_path):
     buf = io.BytesIO()
     torch.save({"mine": Evil()}, buf)
     judge.inputs("t", "x = 1")
-    error, message = judge.verdict("t", "assert mine['mine'] == 1",
-                                   {"mine": base64.b64encode(buf.getvalue()).decode()}, [])
-    assert error == "NameError" and "not plain data" in message
+    reply = judge.verdict("t", "assert mine['mine'] == 1",
+                          {"mine": base64.b64encode(buf.getvalue()).decode()}, [])
+    assert reply.error == "NameError" and "not plain data" in reply.message
     assert not marker.exists()
     with pytest.raises(pickle.UnpicklingError):
         loads(buf.getvalue())
@@ -105,15 +106,16 @@ def test_the_judge_never_unpickles_code(judge, tmp_path):
 
 def test_a_name_the_probe_could_not_send_is_named_in_the_verdict(judge):
     judge.inputs("t", "x = 1")
-    error, message = judge.verdict("t", "assert mine == 1", {}, ["mine"])
-    assert error == "NameError" and "`mine`" in message and "plain data" in message
+    reply = judge.verdict("t", "assert mine == 1", {}, ["mine"])
+    assert reply.error == "NameError" and "`mine`" in reply.message and "plain data" in reply.message
 
 
 def test_a_judge_that_does_not_answer_in_time_is_an_error_of_the_grader(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    j = Judge(env, str(tmp_path), timeout=3)
+    j = JudgeProcess(env, str(tmp_path), timeout=120)
     try:
-        j.setup(["import time"])
+        j.setup(["import time"])        # the start (an import of torch) under any load
+        j.timeout = 3
         with pytest.raises(JudgeError, match="no answer to slow's inputs within 3 s"):
             j.inputs("slow", "time.sleep(30)")
         assert j.proc.poll() is not None                    # killed, not left behind

@@ -18,9 +18,10 @@ import nbformat
 import pytest
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course.notebooks import graded_cells, make_lab, nbgrader_meta
+from mgpu_lab.course.cells import exercise_of, graded_cells, nbgrader_meta
+from mgpu_lab.course.guard import forbidden_of
+from mgpu_lab.course.notebooks import make_lab
 from mgpu_lab.course.sandbox import probe
-from mgpu_lab.course.submission import exercise_of, forbidden_of
 from conftest import ROOT
 from mutants import KINDS, all_mutants
 

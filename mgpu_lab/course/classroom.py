@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import List, Tuple
 
-from .grader import NotebookGrade, brief, grade_notebook, load_solutions
+from .grader import grade_notebook, load_solutions
 from .layout import course_dir, find_root
 from .report import print_table, write_csv, write_feedback, write_json
 from .sandbox import Limits, probe
+from .scoring import NotebookGrade, brief
 
 
 def _notebooks(folder: Path) -> List[Path]:
@@ -149,8 +150,6 @@ def add_parser(subparsers) -> None:
                    help="seconds per notebook (1800)")
     p.add_argument("--memory", type=float, default=8.0,
                    help="GiB of memory per notebook's sandbox (8)")
-    p.add_argument("--require-sandbox", action="store_true",
-                   help="fail (exit 2) when no sandbox can be made here (the default)")
     p.add_argument("--no-sandbox", action="store_true",
                    help="run submissions with your permissions (trusted notebooks only)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,6 +1,6 @@
 """What the grader writes: a table on screen, JSON, CSV, a feedback file per student.
 
-Messages are bounded (:func:`mgpu_lab.course.grader.brief`: a few hundred
+Messages are bounded (:func:`mgpu_lab.course.scoring.brief`: a few hundred
 characters) and never contain the hidden tests' source: only the exception's
 name and message come out of the sandbox.
 """
