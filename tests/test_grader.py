@@ -349,6 +349,29 @@ def test_a_probe_already_scored_zero_is_neither_run_nor_judged(tmp_path, monkeyp
 
 # --- the pieces, without kernels -----------------------------------------------
 
+@pytest.mark.parametrize("evidence, want", [
+    (dict(), ("NotJudged", 0.0)),
+    (dict(judged=True), (None, 4.0)),
+    (dict(judged=True, verdict="AssertionError", verdict_message="off by one"),
+     ("AssertionError", 0.0)),
+    (dict(error="NotImplementedError", judged=True), ("NotImplementedError", 0.0)),
+    (dict(calls=["operator.add"], error="ValueError", judged=True), ("ForbiddenCall", 0.0)),
+    (dict(tampering=["cell 2: line 1: replaces torch.equal"], calls=["operator.add"],
+          error="ValueError", judged=True), ("Tampering", 0.0)),
+    (dict(missing=True, tampering=["x"], calls=["y"]), ("Missing", 0.0)),
+])
+def test_scoring_precedence_tampering_then_forbidden_call_then_error_then_verdict(evidence, want):
+    """The table, without kernels: the first source of evidence that objects decides."""
+    from mgpu_lab.course.scoring import PRECEDENCE, Evidence, score
+    assert PRECEDENCE == ("Tampering", "ForbiddenCall", "kernel error", "verdict")
+    got = score("t", 4, Evidence(**evidence))
+    assert (got.error, got.score, got.max_score) == (*want, 4.0)
+    if got.error == "ForbiddenCall":
+        assert got.message == "this exercise must not call operator.add"
+    if got.error == "AssertionError":
+        assert got.message == "off by one"
+
+
 def test_match_by_lab_id_then_grade_ids_never_file_name():
     labs = load_solutions(DATA / "solutions")
     assert match_lab(toy(), labs) == ("toy", "lab id")
