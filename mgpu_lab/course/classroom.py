@@ -47,11 +47,17 @@ def find_submissions(paths) -> List[Tuple[str, Path]]:
 
 def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
                 progress=True) -> List[NotebookGrade]:
-    """Grade every ``(student, path)``, ``jobs`` at a time; in the input's order."""
+    """Grade every ``(student, path)``, ``jobs`` at a time; in the input's order. The
+    judges of one lab's notebooks are forks of one process (:mod:`.judge_pool`)."""
+    from .judge_pool import JudgePool
+    from .session import JUDGE_TIMEOUT, judge_environment
+    pool = JudgePool(judge_environment, max(timeout, JUDGE_TIMEOUT))
+
     def one(item):
         student, path = item
         try:
-            return grade_notebook(path, labs, student, box, limits, timeout, total_timeout)
+            return grade_notebook(path, labs, student, box, limits, timeout, total_timeout,
+                                  pool)
         except Exception as err:  # the grader's own failure: say so, go on
             return NotebookGrade(str(path), path.name, student,
                                  error=f"GraderError: {brief(repr(err))}")
@@ -61,13 +67,16 @@ def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
         from tqdm.auto import tqdm
         bar = tqdm(total=len(submissions), desc="grading", unit="notebook", file=sys.stderr)
     grades = []
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for grade in pool.map(one, submissions):
-            grades.append(grade)
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool_of_threads:
+            for grade in pool_of_threads.map(one, submissions):
+                grades.append(grade)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        pool.close()
+        if bar is not None:
+            bar.close()
     return grades
 
 

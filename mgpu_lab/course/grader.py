@@ -89,9 +89,11 @@ def static_pass(submission, instructor):
 
 def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
                    limits: Optional[Limits] = None, timeout: float = 120.0,
-                   total_timeout: Optional[float] = 1800.0) -> NotebookGrade:
+                   total_timeout: Optional[float] = 1800.0, pool=None) -> NotebookGrade:
     """Score one submission against the matching lab in ``labs`` (see :func:`load_solutions`):
-    read it, match its lab, prepare it, read it statically, run it, score each graded cell."""
+    read it, match its lab, prepare it, read it statically, run it, score each graded cell.
+    ``pool``: the run's :class:`~mgpu_lab.course.judge_pool.JudgePool` (None: a judge
+    process of its own)."""
     from .sandbox import probe
     path, start = Path(path), monotonic()
     box = box or probe()
@@ -116,7 +118,7 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
     settled = {i for i, gid in prepared.graded.items() if gid in zeroed}
     try:
         run = run_prepared(prepared, instructor, box, limits or Limits(), timeout,
-                           total_timeout, settled)
+                           total_timeout, settled, pool)
     except Exception as err:
         run = None
         grade.error = f"GraderError: {brief(str(err))}"

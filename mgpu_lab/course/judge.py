@@ -90,15 +90,24 @@ def main() -> int:
     return serve(pipe, base)
 
 
+def run_setup(cells: List[str], base: dict) -> Reply:
+    """Run the lab's setup cells into ``base``."""
+    try:
+        for i, src in enumerate(cells):
+            _run(src, base, f"<setup cell {i}>")
+        return Reply(True)
+    except BaseException as err:
+        return Reply(False, "JudgeError", f"Setup: {type(err).__name__}: {err}"[:VERDICT_LIMIT])
+
+
 def serve(pipe, base: dict) -> int:
+    """Answer requests until the pipe closes; ``base``: the setup namespace."""
     from .graded_cell import bound_names
     spaces: Dict[str, dict] = {}
     for req in pipe:
         try:
             if isinstance(req, Setup):
-                for i, src in enumerate(req.cells):
-                    _run(src, base, f"<setup cell {i}>")
-                pipe.send(Reply(True))
+                pipe.send(run_setup(req.cells, base))
             elif isinstance(req, Inputs):
                 ns = dict(base)
                 _run(req.source, ns, f"<inputs of {req.id}>")
@@ -138,21 +147,22 @@ def serve(pipe, base: dict) -> int:
 
 # --- the grader's side --------------------------------------------------------
 
-class JudgeProcess:
-    """One judge process per graded notebook. Every request waits ``timeout`` seconds
-    at most, then the process is killed and :class:`JudgeError` raised."""
+class JudgeClient:
+    """The grader's end of a judge: every request waits ``timeout`` seconds at most, then
+    the judge is killed and :class:`JudgeError` raised."""
 
-    def __init__(self, env: dict, cwd: str, timeout: float):
-        self.timeout = timeout
-        self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_lab.course.judge"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, cwd=cwd, env=env,
-                                     start_new_session=True)
-        self.channel = Channel(self.proc.stdin, self.proc.stdout)
+    timeout: float
+    channel: Channel
+
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
     def _ask(self, what: str, req) -> Reply:
-        if self.proc.poll() is not None:
-            raise JudgeError(f"the judge process has ended (exit {self.proc.returncode})")
+        if not self.alive():
+            raise JudgeError("the judge process has ended")
         try:
             self.channel.send(req)
             reply = self.channel.receive(monotonic() + self.timeout)
@@ -160,7 +170,7 @@ class JudgeProcess:
             self.close()
             raise JudgeError(f"the judge's pipe failed during {what}: {err}") from None
         if reply is None:
-            alive = self.proc.poll() is None
+            alive = self.alive() and not self.channel.ended
             self.close()
             raise JudgeError(f"the judge gave no answer to {what} within {self.timeout:g} s"
                              if alive else f"the judge process died during {what}")
@@ -181,6 +191,21 @@ class JudgeProcess:
         """The judge part's :class:`~mgpu_lab.course.protocol.Reply`: ``ok``, or the
         exception's name, its line of the cell, and (an assertion's) message."""
         return self._ask(f"{grade_id}'s judge", Judge(grade_id, source, answer, missing))
+
+
+class JudgeProcess(JudgeClient):
+    """A judge process of its own (one notebook's, or one that a pool could not fork)."""
+
+    def __init__(self, env: dict, cwd: str, timeout: float):
+        self.timeout = timeout
+        self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_lab.course.judge"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, cwd=cwd, env=env,
+                                     start_new_session=True)
+        self.channel = Channel(self.proc.stdin, self.proc.stdout)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def close(self) -> None:
         if self.proc.poll() is None:

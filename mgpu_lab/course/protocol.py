@@ -15,7 +15,9 @@ The runner's conversation, per submission::
     ...
     runner -> grader   Results         every cell's outcome, the guard's findings
 
-The judge's, per request: ``Setup`` | ``Inputs`` | ``Judge`` -> ``Reply``.
+The judge's, per request: ``Setup`` | ``Inputs`` | ``Judge`` -> ``Reply``; a judge's
+zygote (one per lab, :mod:`mgpu_lab.course.judge_pool`) answers ``Setup`` once, then
+``Fork`` -> ``Forked``.
 """
 from __future__ import annotations
 
@@ -112,6 +114,18 @@ class Judge:
 
 
 @dataclass
+class Fork:
+    """To a judge's zygote: fork a judge for one notebook (its pipe ends come as fds over
+    the zygote's socket); ``home``: its working folder."""
+    home: str
+
+
+@dataclass
+class Forked:
+    pid: int
+
+
+@dataclass
 class Reply:
     ok: bool
     error: Optional[str] = None
@@ -122,7 +136,7 @@ class Reply:
 
 
 KINDS = {cls.__name__: cls for cls in (Header, Need, Probe, Answer, Results, Setup, Inputs,
-                                       Judge, Reply)}
+                                       Judge, Fork, Forked, Reply)}
 
 
 def encode(msg) -> str:
@@ -190,6 +204,7 @@ class Channel:
 
     def __init__(self, stdin, stdout, limit: int = LINE_LIMIT):
         self.stdin, self.fd, self.buf, self.limit = stdin, stdout.fileno(), b"", limit
+        self.ended = False             # the other end closed its pipe (it exited)
 
     def send(self, msg) -> None:
         self.stdin.write(encode(msg).encode())
@@ -202,6 +217,7 @@ class Channel:
             if left <= 0 or not select.select([self.fd], [], [], left)[0]:
                 return None
             chunk = os.read(self.fd, 1 << 20)
+            self.ended = not chunk
             if not chunk or len(self.buf) > self.limit:
                 return None
             self.buf += chunk

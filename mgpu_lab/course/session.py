@@ -95,18 +95,25 @@ def judge_environment(home: str) -> dict:
 
 
 class Judges:
-    """The notebook's judge process; a failed step ends it and the next step gets a
-    fresh one, its setup cells run again."""
+    """The notebook's judge (a fork of its lab's zygote when a :class:`JudgePool` is
+    given, else a process of its own); a failed step ends it and the next step gets a
+    fresh one, set up again."""
 
-    def __init__(self, setup: List[str], home: str, timeout: float):
-        self.setup_cells, self.home = setup, home
+    def __init__(self, setup: List[str], home: str, timeout: float, pool=None):
+        self.setup_cells, self.home, self.pool = setup, home, pool
         # The judge runs our code, not the learner's: its steps (an import of torch, a
         # reference training run) get their own limit, not the learner's per-cell one.
         self.timeout = max(timeout, JUDGE_TIMEOUT)
-        self.judge = JudgeProcess(judge_environment(home), home, self.timeout)
+        self.judge = self._new()
+
+    def _new(self):
+        if self.pool is not None:
+            return self.pool.judge(self.setup_cells, self.home)   # set up already
+        return JudgeProcess(judge_environment(self.home), self.home, self.timeout)
 
     def setup(self) -> None:
-        self.judge.setup(self.setup_cells)
+        if self.pool is None:
+            self.judge.setup(self.setup_cells)
 
     def ask(self, step: str, *args):
         """``judge.step(*args)``; on :class:`JudgeError` a fresh judge, and the error raised."""
@@ -114,8 +121,8 @@ class Judges:
             return getattr(self.judge, step)(*args)
         except JudgeError:
             self.judge.close()
-            self.judge = JudgeProcess(judge_environment(self.home), self.home, self.timeout)
-            self.judge.setup(self.setup_cells)
+            self.judge = self._new()
+            self.setup()
             raise
 
     def close(self) -> None:
@@ -159,9 +166,11 @@ def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
 
 
 def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
-                 timeout: float, total_timeout: Optional[float], settled=frozenset()) -> RunOutcome:
+                 timeout: float, total_timeout: Optional[float], settled=frozenset(),
+                 pool=None) -> RunOutcome:
     """Run the submission in the runner (sandboxed when ``box.available``), each graded
-    cell's probe in its kernel and its judge here, in a judge process.
+    cell's probe in its kernel and its judge here, in a judge process (forked from
+    ``pool``'s zygote of the lab, when given: :mod:`mgpu_lab.course.judge_pool`).
 
     ``settled``: indices of graded cells already scored 0 by the static pass: their
     probes are not run (an empty probe is sent in its place) and not judged; the
@@ -176,19 +185,21 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
         argv, cwd, env, cleanup = runner_command(box, limits, scratch)
         home = os.path.join(scratch, "judge")
         os.makedirs(home)
-        judges = Judges(setup_sources(instructor), home, timeout)
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
         tail: list = []
         threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
+        judges = None
         try:
             channel = Channel(proc.stdin, proc.stdout)
             channel.send(header)
-            judges.setup()                      # while the kernel starts
+            judges = Judges(setup_sources(instructor), home, timeout, pool)   # while the
+            judges.setup()                                                     # kernel starts
             deadline = monotonic() + (total_timeout or 24 * 3600) + 60
             return converse(channel, judges, prepared, parts, settled, deadline, tail)
         finally:
-            judges.close()
+            if judges is not None:
+                judges.close()
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
