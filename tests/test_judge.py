@@ -219,3 +219,43 @@ def test_toy_fixture_lab_is_valid():
     check_notebook(nbformat.read(ROOT / "tests" / "data" / "grader" / "solutions" / "toy.ipynb",
                                  as_version=4))
     assert textwrap.dedent(CELL) == CELL
+
+
+# --- the harms of issue 29 ------------------------------------------------------------
+
+def test_h3_a_check_that_fails_on_the_learners_data_keeps_only_its_type_and_line(judge):
+    """Only an assertion keeps its (the instructor's) message: any other exception's text
+    may quote the learner's data, which the learner chose."""
+    judge.inputs("t", "x = 1")
+    reply = judge.verdict("t", "\n\nvalue = int(mine)", {"mine": dumps("secret-input-7")}, [])
+    assert (reply.error, reply.message, reply.line) == ("ValueError", "", 3)
+    judge.inputs("t", "x = 1")
+    reply = judge.verdict("t", "assert mine == 1, 'mine must be 1'", {"mine": dumps(2)}, [])
+    assert (reply.error, reply.message) == ("AssertionError", "mine must be 1")
+
+
+def test_h4_the_judge_refuses_a_view_that_would_make_it_allocate(judge):
+    """A zero-stride view (4 bytes of storage, 2**31 elements) sent back as an answer: the
+    judge refused to hold it, and copies what it holds."""
+    view = torch.zeros(1).expand(2**31)
+    judge.inputs("t", "x = 1")
+    reply = judge.verdict("t", "assert mine.numel() == 2**31", {"mine": dumps(view)}, [])
+    assert reply.error == "NameError" and "not plain data" in reply.message
+    judge.inputs("t", "x = 1")
+    dense = torch.arange(12.0).reshape(3, 4).t()          # a transposed view: a copy is fine
+    assert judge.verdict("t", "assert torch.equal(mine, torch.arange(12.0).reshape(3, 4).t())"
+                              " and mine.is_contiguous()", {"mine": dumps(dense)}, []).ok
+
+
+def test_h4_the_judge_runs_under_a_memory_limit(tmp_path):
+    from mgpu_lab.course.judge import MEMORY_ENV
+    if list(__import__("glob").glob("/dev/nvidia*")):
+        pytest.skip("with a GPU the judge has no address-space limit (CUDA maps far more)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **{MEMORY_ENV: str(6 * 2**30)})
+    j = JudgeProcess(env, str(tmp_path), timeout=120)
+    try:
+        ship, _ = j.inputs("m", "import resource\nlimit = resource.getrlimit(resource.RLIMIT_AS)[0]")
+        assert loads(ship["limit"]) == 6 * 2**30
+    finally:
+        j.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Set
 
 SETUP_TAG = "setup"          # also runs in the grader's judge process, before the checks
@@ -177,12 +178,72 @@ def _unparse(node) -> str:
 
 
 # --- names in a parsed cell (the static passes read them) ---------------------
+#
+# Every pass reads a cell's tree once: :func:`scan` walks it (no recursion: any depth)
+# and keeps what the passes need on the node itself, so that a large submission costs
+# a few walks, not one per question asked of it.
+
+_AST = ast.AST
+
+
+def walk(node) -> Iterable[tuple]:
+    """``(node, parent)`` for every node under ``node`` (itself with parent None), depth
+    first, iteratively; faster than :func:`ast.walk`."""
+    todo = [(node, None)]
+    while todo:
+        n, parent = todo.pop()
+        yield n, parent
+        for field in n._fields:
+            value = getattr(n, field, None)
+            if isinstance(value, list):
+                todo.extend((v, n) for v in reversed(value) if isinstance(v, _AST))
+            elif isinstance(value, _AST):
+                todo.append((value, n))
+
+
+@dataclass
+class Scan:
+    names: Set[str]                  # every ast.Name's id
+    heads: List[ast.AST]             # the outermost node of every chain of names
+    attributes: Set[str]             # every attribute name
+    imports: List[ast.stmt]          # import statements, in source order
+
+
+def scan(node) -> Scan:
+    """What the static passes read of a parsed cell or statement (one walk, kept on it)."""
+    done = getattr(node, "_course_scan", None)
+    if done is not None:
+        return done
+    names, attributes, inner, imports, order = set(), set(), set(), [], []
+    for n, _ in walk(node):
+        if isinstance(n, ast.Name):
+            names.add(n.id)
+            order.append(n)
+        elif isinstance(n, ast.Attribute):
+            attributes.add(n.attr)
+            inner.add(id(n.value))
+            order.append(n)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            imports.append(n)
+        elif isinstance(n, ast.Call):
+            pair = literal_getattr(n)
+            if pair is not None:
+                inner.add(id(pair[0]))
+                order.append(n)
+    imports.sort(key=lambda n: (n.lineno, n.col_offset))
+    done = Scan(names, [n for n in order if id(n) not in inner], attributes, imports)
+    try:
+        node._course_scan = done
+    except AttributeError:
+        pass
+    return done
+
 
 def import_aliases(trees: Iterable[Optional[ast.Module]]) -> Dict[str, str]:
     """``{local name: dotted name}`` from every import statement in ``trees``."""
     aliases: Dict[str, str] = {}
     for tree in trees:
-        for node in ast.walk(tree) if tree is not None else ():
+        for node in scan(tree).imports if tree is not None else ():
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if a.asname:
@@ -190,7 +251,7 @@ def import_aliases(trees: Iterable[Optional[ast.Module]]) -> Dict[str, str]:
                     else:
                         root = a.name.split(".")[0]
                         aliases[root] = root
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            elif node.module and not node.level:
                 for a in node.names:
                     aliases[a.asname or a.name] = f"{node.module}.{a.name}"
     return aliases
@@ -231,19 +292,3 @@ def dotted(node, aliases: Mapping[str, str]) -> Optional[str]:
     """The dotted name of ``node`` (see :func:`dotted_parts`), or None."""
     parts = dotted_parts(node, aliases)
     return ".".join(parts) if parts is not None else None
-
-
-def chain_heads(tree) -> Iterable[ast.AST]:
-    """The outermost node of every chain of names in ``tree`` (``a.b.c`` once, not also
-    ``a.b``): each chain is then read once, in time linear in its length."""
-    inner = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute):
-            inner.add(id(node.value))
-        pair = literal_getattr(node)
-        if pair is not None:
-            inner.add(id(pair[0]))
-    for node in ast.walk(tree):
-        if (isinstance(node, (ast.Name, ast.Attribute)) or literal_getattr(node)) \
-                and id(node) not in inner:
-            yield node

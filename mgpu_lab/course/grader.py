@@ -30,16 +30,20 @@ scores; 1 when the grader itself failed on a notebook; 2 on bad usage.
 """
 from __future__ import annotations
 
+import ast
+import os
 from pathlib import Path
 from time import monotonic
 from typing import Dict, Optional
 
 import nbformat
 
-from .cells import given_statements, graded_cells, lab_id, nbgrader_meta, observed_of
+from . import graded_cell
+from .cells import given_statements, graded_cells, lab_id, nbgrader_meta, observed_of, parse
 from .guard import called_in, forbidden_of, notebook_violations
 from .sandbox import Limits, Sandbox
-from .scoring import Evidence, ExerciseScore, NotebookGrade, brief, score
+from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
+                      verdict_text)
 from .session import run_prepared
 from .submission import prepare_submission
 from .tamper import tampering
@@ -79,27 +83,58 @@ def match_lab(student, labs: Dict[str, nbformat.NotebookNode]):
 
 # --- grading it ----------------------------------------------------------------
 
-def static_pass(submission, instructor):
+STATIC_TIMEOUT = 60.0              # seconds for the static pass of one notebook
+NOTEBOOK_LIMIT = 32 * 2**20         # bytes of a submission
+CELL_LIMIT = 2**20                  # characters of one code cell the static pass reads
+
+
+class Unanalysable(Exception):
+    """The static pass could not read a submission (in time, or at all)."""
+
+
+def static_pass(submission, instructor, limit: Optional[float] = None):
     """``(tampering findings, {grade_id: references called})`` of the learner's cells,
-    read, never run (:mod:`.tamper`, :mod:`.guard`)."""
-    given = given_statements(instructor)
-    return (tampering(submission, instructor, given),
-            notebook_violations(submission, instructor, given))
+    read, never run, nor anything they name imported (:mod:`.tamper`, :mod:`.guard`);
+    :class:`Unanalysable` past ``limit`` seconds or on a cell too odd to read."""
+    limit = STATIC_TIMEOUT if limit is None else limit
+    end = monotonic() + limit
+
+    def check():
+        if monotonic() > end:
+            raise Unanalysable(f"the static pass ran past {limit:g} s")
+    if any(len(c.source) > CELL_LIMIT for c in submission.cells if c.cell_type == "code"):
+        raise Unanalysable(f"a code cell of more than {CELL_LIMIT} characters")
+    try:
+        given = given_statements(instructor)
+        return (tampering(submission, instructor, given, check),
+                notebook_violations(submission, instructor, given, check))
+    except Unanalysable:
+        raise
+    except (RecursionError, MemoryError, ValueError, SyntaxError, TypeError) as err:
+        raise Unanalysable(f"{type(err).__name__} while reading its cells") from None
 
 
 def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
                    limits: Optional[Limits] = None, timeout: float = 120.0,
-                   total_timeout: Optional[float] = 1800.0, pool=None) -> NotebookGrade:
+                   total_timeout: Optional[float] = 1800.0, pool=None,
+                   folder: Optional[str] = None) -> NotebookGrade:
     """Score one submission against the matching lab in ``labs`` (see :func:`load_solutions`):
     read it, match its lab, prepare it, read it statically, run it, score each graded cell.
     ``pool``: the run's :class:`~mgpu_lab.course.judge_pool.JudgePool` (None: a judge
-    process of its own)."""
+    process of its own); ``folder``: the real folder the notebook must lie in (a
+    symbolic link out of it is refused, never read)."""
     from .sandbox import probe
     path, start = Path(path), monotonic()
     box = box or probe()
     grade = NotebookGrade(str(path), path.name, student or path.stem, sandboxed=box.available)
+    real = os.path.realpath(path)
+    if folder is not None and not real.startswith(os.path.join(folder, "")):
+        grade.error = "Refused: a symbolic link out of the submission folder"
+        return grade
     try:
-        submission = nbformat.read(path, as_version=4)
+        if os.path.getsize(real) > NOTEBOOK_LIMIT:
+            raise ValueError(f"larger than {NOTEBOOK_LIMIT >> 20} MiB")
+        submission = nbformat.read(real, as_version=4)
     except Exception as err:  # not JSON, not a notebook
         grade.error = f"UnreadableNotebook: {brief(str(err))}"
         return grade
@@ -112,7 +147,15 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
         grade.notes.append(f"matched by its {how}")
     prepared = prepare_submission(submission, instructor)
     grade.notes += prepared.notes
-    tampered, static = static_pass(submission, instructor)
+    try:
+        tampered, static = static_pass(submission, instructor)
+    except Unanalysable as err:        # costs this notebook: every exercise 0
+        grade.error = f"Unanalysable: {err}"
+        grade.exercises = [ExerciseScore(gid, 0.0, float(nbgrader_meta(c)["points"]),
+                                         "Unanalysable", str(err))
+                           for gid, c in graded_cells(instructor).items()]
+        grade.seconds = round(monotonic() - start, 2)
+        return grade
     grade.tampering = [f"{where}: {what}" for where, what, _ in tampered]
     zeroed = set(static) | {gid for _, _, gids in tampered for gid in gids}
     settled = {i for i, gid in prepared.graded.items() if gid in zeroed}
@@ -133,7 +176,8 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
 
 
 def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
-    """What the static pass and the run say about graded cell ``gid`` (at ``index``)."""
+    """What the static pass and the run say about graded cell ``gid`` (at ``index``), in
+    words a report may show (:func:`~mgpu_lab.course.scoring.kernel_error`)."""
     if gid in prepared.missing:
         return Evidence(missing=True)
     found = Evidence(tampering=[f"{w}: {what}" for w, what, gids in tampered if gid in gids])
@@ -142,10 +186,27 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
     found.calls = (static.get(gid) or (run.violations.get(index) if run else None)
                    or called_in(result.message if result else "", forbidden))
     if result is None:
-        found.error = "NotRun"
+        found.error, found.message = kernel_error("NotRun", "", [], {}, (index, 0), ())
     elif result.error:
-        found.error, found.message = result.error, result.message
+        probe = graded_cell.split(cell.source).probe
+        found.error, found.message = kernel_error(
+            result.error, result.message, result.frames, _learners_cells(prepared),
+            (index, cell.source.count("\n") + 1), _names_read(probe))
     verdict = run.verdicts.get(index) if run is not None else None
     if verdict is not None:
-        found.judged, found.verdict, found.verdict_message = True, verdict.error, verdict.message
+        found.judged = True
+        found.verdict, found.verdict_message = verdict_text(verdict.error, verdict.message,
+                                                            verdict.line)
     return found
+
+
+def _learners_cells(prepared) -> dict:
+    """``{cell index: (index in the learner's notebook, lines)}`` of the learner's code cells."""
+    return {i: (prepared.origin[i], c.source.count("\n") + 1)
+            for i, c in enumerate(prepared.nb.cells)
+            if c.cell_type == "code" and i not in prepared.graded and prepared.origin[i] is not None}
+
+
+def _names_read(source: str) -> set:
+    tree = parse(source)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} if tree else set()

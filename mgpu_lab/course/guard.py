@@ -41,7 +41,7 @@ import types
 from collections import ChainMap
 from typing import Dict, Iterable, List, Mapping, Optional, Set
 
-from .cells import chain_heads, course_meta, dotted_parts, import_aliases
+from .cells import course_meta, dotted_parts, import_aliases, scan
 
 MESSAGE = "this exercise must not call {}"
 CALLED = re.compile(MESSAGE.format(r"([\w.]+)"))
@@ -143,10 +143,9 @@ class References:
         found: Set[str] = set()
         if tree is None:
             return found
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in self.methods:
-                found.add(self.methods[node.attr])
-        for node in chain_heads(tree):
+        read = scan(tree)
+        found.update(self.methods[a] for a in read.attributes & set(self.methods))
+        for node in read.heads:
             parts = dotted_parts(node, aliases)
             if parts is not None:
                 hit = self.match(parts)
@@ -181,7 +180,7 @@ BINDS = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.FunctionDef, ast.AsyncFun
 
 
 def _loaded(node) -> Set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} if node is not None else set()
+    return scan(node).names if node is not None else set()
 
 
 def notebook_violations(student, instructor, given: Optional[Set[str]] = None,

@@ -10,11 +10,12 @@ unpickles or runs anything the learner wrote. It runs the instructor's cells tag
 1. ``Inputs``: runs the cell's inputs part in a fresh copy of the setup namespace and
    returns the names it bound that are plain data (the grader sends them into the
    learner's kernel) and those that are not (deleted there);
-2. ``Judge``: reads the probe's data with ``torch.load(weights_only=True)`` (tensors,
-   numbers, strings, lists, dicts — no code can come through), binds it over the inputs'
-   names and runs the judge part: its exception, or none, is the verdict.
+2. ``Judge``: reads the probe's data (:func:`load_answer`: ``torch.load(weights_only=True)``,
+   then every tensor checked and copied, within :data:`ELEMENT_LIMIT` elements), binds it
+   over the inputs' names and runs the judge part: its exception, or none, is the verdict.
 
-The messages are :mod:`mgpu_lab.course.protocol`'s; :class:`JudgeProcess` is
+It runs under a memory limit (``RLIMIT_AS``, :func:`limit_memory`) where no GPU is
+present. The messages are :mod:`mgpu_lab.course.protocol`'s; :class:`JudgeProcess` is
 the grader's side.
 """
 from __future__ import annotations
@@ -33,11 +34,19 @@ from .protocol import Channel, Inputs, Judge, Reply, Setup, child_pipe
 
 MAGIC = re.compile(r"^\s*[%!].*$", re.M)     # IPython line magics and shell escapes
 PLAIN = "plain data (tensors, numbers, strings, lists, tuples, dicts)"
+ELEMENT_LIMIT = 2**24        # tensor elements in one graded cell's answer, all names together
+DEPTH_LIMIT = 32             # nesting of lists, tuples and dicts in an answer
+ITEM_LIMIT = 2**20           # values (containers, numbers, strings...) in an answer
+MEMORY_ENV = "MGPU_LAB_JUDGE_MEMORY"   # bytes of address space the judge may map
 VERDICT_LIMIT = 2000
 
 
 class JudgeError(RuntimeError):
     """The judge process failed or did not answer in time (the grader's fault, not the learner's)."""
+
+
+class NotPlainData(ValueError):
+    """An answer that is not plain data, or past the limits: the judge refuses it."""
 
 
 def dumps(value) -> Optional[str]:
@@ -60,6 +69,87 @@ def loads(data):
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
+# --- what an answer may be -------------------------------------------------------------
+
+def _dense_copy(t, budget: List[int]):
+    """A contiguous copy of a plain strided tensor whose storage holds every element
+    (a view with zero or overlapping strides, sized to make the judge allocate, is refused)."""
+    import torch
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise NotPlainData(f"a tensor of type {type(t).__name__}")
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        raise NotPlainData(f"a tensor of layout {t.layout}")
+    if t.dim() > 16:
+        raise NotPlainData(f"a tensor of {t.dim()} dimensions")
+    numel = t.numel()
+    budget[0] -= numel
+    if budget[0] < 0:
+        raise NotPlainData(f"more than {ELEMENT_LIMIT} tensor elements")
+    storage = t.untyped_storage().nbytes() // max(1, t.element_size())
+    reach = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    if numel and (min(t.stride(), default=0) < 0 or numel > storage or reach >= storage):
+        raise NotPlainData("a tensor view whose storage does not hold its elements")
+    copy = t.detach().clone(memory_format=torch.contiguous_format)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=t.requires_grad)
+    return copy.requires_grad_(t.requires_grad) if copy.is_floating_point() or copy.is_complex() else copy
+
+
+def checked(value, budget: Optional[List[int]] = None, depth: int = 0):
+    """``value`` with every tensor a dense copy (:func:`_dense_copy`); NotPlainData when
+    it holds anything else than numbers, strings, tensors and their containers, nests
+    deeper than :data:`DEPTH_LIMIT` or holds more than :data:`ITEM_LIMIT` values."""
+    import torch
+    budget = budget if budget is not None else [ELEMENT_LIMIT, ITEM_LIMIT]
+    budget[1] -= 1
+    if budget[1] < 0 or depth > DEPTH_LIMIT:
+        raise NotPlainData("nested too deep or too many values")
+    if isinstance(value, torch.Tensor):
+        return _dense_copy(value, budget)
+    if isinstance(value, bool) or value is None or isinstance(
+            value, (float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+                    torch.memory_format)):
+        return value
+    if isinstance(value, int):
+        if value.bit_length() > 1024:
+            raise NotPlainData("an integer of more than 1024 bits")
+        return value
+    if isinstance(value, torch.Size):
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [checked(v, budget, depth + 1) for v in value]
+        return items if type(value) is list else type(value)(items)
+    if isinstance(value, dict):
+        out = type(value)() if type(value) in (dict,) or _is_ordered(value) else {}
+        for k, v in value.items():
+            out[checked(k, budget, depth + 1)] = checked(v, budget, depth + 1)
+        return out
+    raise NotPlainData(f"a value of type {type(value).__name__}")
+
+
+def _is_ordered(value) -> bool:
+    from collections import OrderedDict
+    return type(value) is OrderedDict
+
+
+def load_answer(data):
+    """A probe's value: :func:`loads`, then :func:`checked`."""
+    return checked(loads(data))
+
+
+def limit_memory() -> None:
+    """Bound the judge's address space (``MGPU_LAB_JUDGE_MEMORY`` bytes) where no GPU is
+    present (CUDA reserves far more address space than it uses)."""
+    import glob
+    import resource
+    limit = int(os.environ.get(MEMORY_ENV, "0") or 0)
+    if limit > 0 and not glob.glob("/dev/nvidia*"):
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        except (ValueError, OSError):
+            pass
+
+
 # --- the judge process --------------------------------------------------------
 
 def _run(source: str, ns: dict, name: str) -> None:
@@ -76,16 +166,21 @@ def _line(err: BaseException, name: str) -> Optional[int]:
 
 
 def _failure(err: BaseException, missing: List[str], name: str) -> Reply:
-    """The verdict of a failed check: the exception's name, message and line of the cell."""
+    """The verdict of a failed check. Only an ``AssertionError`` keeps its message (the
+    instructor's words); any other exception is named with its line of the graded cell:
+    its text may quote the learner's data."""
     kind, line = type(err).__name__, _line(err, name)
     if isinstance(err, NameError) and getattr(err, "name", None) in missing:
         return Reply(False, kind, f"`{err.name}`, which the probe computes from your code, "
                                   f"is not {PLAIN}: the grader could not read it", line)
-    return Reply(False, kind, str(err)[:VERDICT_LIMIT], line)
+    if isinstance(err, AssertionError):
+        return Reply(False, kind, str(err)[:VERDICT_LIMIT], line)
+    return Reply(False, kind, "", line)
 
 
 def main() -> int:
     pipe = child_pipe()
+    limit_memory()
     base = {"__name__": "__main__"}
     return serve(pipe, base)
 
@@ -127,7 +222,7 @@ def serve(pipe, base: dict) -> int:
                     ns.pop(name, None)
                 for name, data in req.answer.items():
                     try:
-                        ns[name] = loads(data)
+                        ns[name] = load_answer(data)
                     except Exception:
                         ns.pop(name, None)
                         missing.append(name)

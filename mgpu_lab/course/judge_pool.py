@@ -27,7 +27,7 @@ import threading
 from time import monotonic
 from typing import Dict, List, Optional
 
-from .judge import JudgeClient, JudgeError, JudgeProcess, run_setup, serve
+from .judge import JudgeClient, JudgeError, JudgeProcess, limit_memory, run_setup, serve
 from .protocol import Channel, ChildPipe, Fork, Forked, Reply, Setup, child_pipe
 
 
@@ -35,6 +35,7 @@ from .protocol import Channel, ChildPipe, Fork, Forked, Reply, Setup, child_pipe
 
 def main() -> int:
     pipe = child_pipe()
+    limit_memory()
     sock = socket.socket(fileno=int(sys.argv[sys.argv.index("--socket") + 1]))
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)      # the forks are reaped by the system
     base = {"__name__": "__main__"}

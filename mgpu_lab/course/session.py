@@ -28,12 +28,13 @@ import nbformat
 from . import graded_cell
 from .cells import given_sources, graded_cells, setup_sources
 from .guard import forbidden_of
-from .judge import JudgeError, JudgeProcess
+from .judge import MEMORY_ENV, JudgeError, JudgeProcess
 from .protocol import RUNNER_COMMAND, Answer, Channel, Header, Need, Outcome, Probe, Results
 from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
 from .submission import Prepared
 
 JUDGE_TIMEOUT = 300.0   # seconds for each step of the judge process, at least
+JUDGE_EXTRA_GIB = 4.0   # address space torch, its threads and a launch() map beyond the data
 SETTLED = Probe("# scored 0 before it ran: see the report", {}, [], [])
 
 
@@ -84,13 +85,15 @@ def runner_command(box: Sandbox, limits: Limits, scratch: str):
     return argv, cwd, env, []
 
 
-def judge_environment(home: str) -> dict:
-    """The judge runs the instructor's code only: the grader's own environment."""
+def judge_environment(home: str, memory_gib: float = Limits.memory_gib) -> dict:
+    """The judge runs the instructor's code only: the grader's own environment, and an
+    address-space limit of the sandbox's memory plus what torch maps (:mod:`.judge`)."""
     path = [str(package_dir().parent)] + ([os.environ["PYTHONPATH"]]
                                           if os.environ.get("PYTHONPATH") else [])
     env = dict(os.environ, MPLBACKEND="Agg", HOME=home, MPLCONFIGDIR=os.path.join(home, ".mpl"),
                PYTHONPATH=os.pathsep.join(path))
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[MEMORY_ENV] = str(int((memory_gib + JUDGE_EXTRA_GIB) * 2**30))
     return env
 
 
@@ -99,8 +102,9 @@ class Judges:
     given, else a process of its own); a failed step ends it and the next step gets a
     fresh one, set up again."""
 
-    def __init__(self, setup: List[str], home: str, timeout: float, pool=None):
-        self.setup_cells, self.home, self.pool = setup, home, pool
+    def __init__(self, setup: List[str], home: str, timeout: float, pool=None,
+                 memory_gib: float = Limits.memory_gib):
+        self.setup_cells, self.home, self.pool, self.memory = setup, home, pool, memory_gib
         # The judge runs our code, not the learner's: its steps (an import of torch, a
         # reference training run) get their own limit, not the learner's per-cell one.
         self.timeout = max(timeout, JUDGE_TIMEOUT)
@@ -109,7 +113,7 @@ class Judges:
     def _new(self):
         if self.pool is not None:
             return self.pool.judge(self.setup_cells, self.home)   # set up already
-        return JudgeProcess(judge_environment(self.home), self.home, self.timeout)
+        return JudgeProcess(judge_environment(self.home, self.memory), self.home, self.timeout)
 
     def setup(self) -> None:
         if self.pool is None:
@@ -193,8 +197,8 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
         try:
             channel = Channel(proc.stdin, proc.stdout)
             channel.send(header)
-            judges = Judges(setup_sources(instructor), home, timeout, pool)   # while the
-            judges.setup()                                                     # kernel starts
+            judges = Judges(setup_sources(instructor), home, timeout, pool, limits.memory_gib)
+            judges.setup()                                      # while the kernel starts
             deadline = monotonic() + (total_timeout or 24 * 3600) + 60
             return converse(channel, judges, prepared, parts, settled, deadline, tail)
         finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import nbformat
 
@@ -24,6 +24,7 @@ class Prepared:
     graded: Dict[int, str]                 # cell index -> grade_id
     missing: List[str]
     notes: List[str]
+    origin: List[Optional[int]]            # cell index -> the submission's own (None: put back)
 
 
 def prepare_submission(student, instructor) -> Prepared:
@@ -37,6 +38,7 @@ def prepare_submission(student, instructor) -> Prepared:
             if DEMO_TAG in tags(cell) and not nbgrader_meta(cell):
                 cell = nbformat.v4.new_markdown_cell("(a demo cell: not run when graded)")
         cells.append(cell)
+    origin: List[Optional[int]] = list(range(len(cells)))
     last = {}
     for index, cell in enumerate(cells):
         gid = nbgrader_meta(cell).get("grade_id")
@@ -59,6 +61,7 @@ def prepare_submission(student, instructor) -> Prepared:
             continue
         cells.insert(anchors[-1] + 1, nbformat.v4.new_code_cell(
             "", metadata=copy.deepcopy(tests[gid].metadata)))
+        origin.insert(anchors[-1] + 1, None)
         notes.append(f"{gid}: graded cell deleted; put back after its exercise")
     graded = {}
     for index, cell in enumerate(cells):
@@ -70,4 +73,4 @@ def prepare_submission(student, instructor) -> Prepared:
             graded[index] = gid
     nb = copy.deepcopy(student)
     nb.cells = cells
-    return Prepared(nb, graded, missing, notes)
+    return Prepared(nb, graded, missing, notes, origin)

@@ -32,7 +32,7 @@ from typing import Dict, List, Mapping
 
 from . import graded_cell
 from .cells import (exercise_of, given_sources, given_statements, graded_cells, learners_lines,
-                    nbgrader_meta, parse, statements)
+                    nbgrader_meta, parse, statements, walk)
 from .cells import dotted, import_aliases
 
 ALLOWED_SETTINGS = ("torch.backends.",)
@@ -64,7 +64,6 @@ def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
     if tree is None:
         return []
     aliases = ChainMap(import_aliases([tree]), aliases)
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found = []
 
     def flag(node, what):
@@ -75,7 +74,7 @@ def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
         if name and not name.startswith(ALLOWED_SETTINGS):
             flag(node, f"{verb} {name}")
 
-    for node in ast.walk(tree):
+    for node, parent in walk(tree):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             for t in targets:
@@ -95,13 +94,11 @@ def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
                     and not isinstance(node.args[1], ast.Constant):
                 flag(node, f"getattr() of a computed name on {_imported(node.args[0], aliases)}")
             elif func in GET_IPYTHON:
-                parent = parents.get(node)
                 if not (isinstance(parent, ast.Attribute) and parent.attr in MAGICS):
                     flag(node, "reaches into IPython (get_ipython())")
         if isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS:
             flag(node, f"uses .{node.attr}")
-        if isinstance(node, (ast.Name, ast.Attribute)) and not isinstance(
-                parents.get(node), ast.Attribute):
+        if isinstance(node, (ast.Name, ast.Attribute)) and not isinstance(parent, ast.Attribute):
             name = dotted(node, aliases) or ""
             for bad, what in FORBIDDEN_NAMES.items():
                 if name == bad or name.startswith(bad + "."):
