@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from time import monotonic
 
@@ -156,28 +157,49 @@ class MutationRun:
         if not probe().available:
             args.append("--no-sandbox")
         self.start = monotonic()
-        # Niced: it takes the CPU the other tests leave idle, and yields it to them (their
-        # time limits are tighter than its own, 120 s per cell).
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=lambda: os.nice(NICE))
+        # A daemon (its parent exits at once): the tests that check that they leave no
+        # process behind do not see it. Niced: it takes the CPU the other tests leave
+        # idle, and yields it to them (their time limits are tighter than its own).
+        self.log, self.rc, self.pid = (self.folder / n for n in ("log", "rc", "pid"))
+        subprocess.run([sys.executable, "-c", DAEMON, str(self.log), str(self.rc),
+                        str(self.pid), str(NICE), *args], check=True)
 
     def result(self, timeout: float):
-        """``(plan, {student: graded notebook}, seconds)``, waiting for the run to end."""
-        try:
-            output, _ = self.proc.communicate(timeout=max(1.0, timeout - (monotonic() - self.start)))
-        except subprocess.TimeoutExpired:
+        """``(plan, {student: graded notebook}, seconds)``, waiting ``timeout`` seconds at
+        most for the run to end."""
+        end = monotonic() + timeout
+        while not self.rc.exists() and monotonic() < end:
+            time.sleep(1)
+        if not self.rc.exists():
             self.stop()
-            pytest.fail(f"the mutation run did not end in {timeout:g} s")
-        assert self.proc.returncode == 0, output.decode(errors="replace")[-3000:]
+            pytest.fail(f"the mutation run did not end in {timeout:g} s more")
+        time.sleep(0.2)
+        output = self.log.read_text(errors="replace")
+        assert self.rc.read_text().strip() == "0", output[-3000:]
         seconds = monotonic() - self.start
         graded = {n["student"]: n for n in json.loads(self.out.read_text())["notebooks"]}
         return self.plan, graded, seconds
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
-        self.proc.wait()
+        if not self.rc.exists() and self.pid.exists():
+            try:
+                os.killpg(int(self.pid.read_text()), 9)
+            except (OSError, ValueError):
+                pass
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+DAEMON = """import os, subprocess, sys
+log, rc, pid, nice = sys.argv[1:5]
+if os.fork():
+    os._exit(0)
+os.setsid()
+os.nice(int(nice))
+open(pid, "w").write(str(os.getpid()))
+code = subprocess.call(sys.argv[5:], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+open(rc + ".tmp", "w").write(str(code))
+os.rename(rc + ".tmp", rc)
+"""
 
 
 _RUN = {}
