@@ -5,7 +5,7 @@ Each subcommand lives in the module of its concept, which defines
 
     mgpu-lab launch   torchrun, with defaults for this machine   (runtime/torchrun.py)
     mgpu-lab doctor   what this machine can do, and what is off  (doctor.py)
-    mgpu-lab labs     build labs/ from solutions/, or re-execute (course/notebooks.py)
+    mgpu-lab labs     build, execute, copy or check labs          (course/labs_command.py)
     mgpu-lab grade    score students' notebooks                  (course/classroom.py)
     mgpu-lab tour     run every solution notebook, headless      (tour.py)
 """
@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 SUBCOMMANDS = {
     "launch": "runtime.torchrun",
     "doctor": "runtime.doctor",
-    "labs": "course.notebooks",
+    "labs": "course.labs_command",
     "grade": "course.classroom",
     "tour": "course.tour",
 }

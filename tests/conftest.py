@@ -253,3 +253,13 @@ def run_session(cmd, env, timeout: float = 120) -> subprocess.CompletedProcess:
         out, err = proc.communicate()
         pytest.fail(f"{cmd} did not finish in {timeout} s:\n{out}\n{err}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.hookimpl(trylast=True)      # after -k and -m have deselected
+def pytest_collection_modifyitems(session, config, items):
+    """The mutation run (tests/test_mutants.py) starts now, in a child process that grades
+    beside the other tests; its tests move to the end of the session."""
+    import sys
+    mutants = sys.modules.get("test_mutants")
+    if mutants is not None:
+        mutants.start_beside(config, items)

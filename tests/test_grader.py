@@ -18,13 +18,13 @@ import pytest
 
 from mgpu_lab.cli import main as cli
 from mgpu_lab.course import guard
-from mgpu_lab.course.grader import (ExerciseScore, NotebookGrade, brief, grade_notebook,
-                                    load_solutions, match_lab, prepare_submission,
-                                    static_check)
+from mgpu_lab.course.grader import grade_notebook, load_solutions, match_lab
 from mgpu_lab.course.kernel import run_notebook
 from mgpu_lab.course.notebooks import make_lab
 from mgpu_lab.course.report import print_table
 from mgpu_lab.course.sandbox import Limits, Sandbox, probe
+from mgpu_lab.course.scoring import ExerciseScore, NotebookGrade, brief
+from mgpu_lab.course.submission import prepare_submission
 from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"
@@ -118,6 +118,9 @@ def build_class(tmp: Path, sandboxed: bool):
               add="def add(a, b):\n    return launch(time.sleep, nprocs=2, args=(600,))"),
           klass / "hang.ipynb")
     (klass / "broken.ipynb").write_text("{ not json")
+    write(toy(add="def add(a, b):\n    raise ValueError(f'secret-{a}-{b} <b>x</b>')",     # leaks?
+              mul="class HIDDEN_MUL_CASE(Exception):\n    pass\ndef mul(a, b):\n"
+                  "    raise HIDDEN_MUL_CASE(a, b)"), klass / "leaky.ipynb")
     if not sandboxed:
         return klass, {}
     outside = {"home": Path.home() / "mgpu_lab_pwned.txt",
@@ -167,7 +170,7 @@ def graded(tmp_path_factory):
 def test_exit_zero_and_every_notebook_reported(graded):
     code, by_name, _, _, _, report = graded
     assert code == 0
-    assert len(report["notebooks"]) == 15 + (4 if SANDBOX.available else 0)
+    assert len(report["notebooks"]) == 16 + (4 if SANDBOX.available else 0)
     assert report["sandbox"].startswith("sandbox: bubblewrap" if SANDBOX.available
                                         else "sandbox: OFF")
     import os
@@ -253,7 +256,7 @@ def test_csv_one_row_per_student_a_column_per_lab_and_exercise(graded):
 def test_feedback_per_student_and_lab_without_hidden_tests(graded):
     out = graded[3]
     text = (out / "frank" / "toy.md").read_text()
-    assert "| mul_test | 0 / 3 | NameError: name 'mul' is not defined |" in text
+    assert "| mul\\_test | 0 / 3 | NameError\\: name 'mul' is not defined; raised in the check" in text
     every = "".join(p.read_text() for p in out.rglob("*.md"))
     assert "mul(-1, 4)" not in every and "BEGIN HIDDEN" not in every
     assert (out / "carol" / "toy.md").exists() and (out / "bob" / "toy.md").exists()
@@ -327,15 +330,15 @@ def test_a_probe_already_scored_zero_is_neither_run_nor_judged(tmp_path, monkeyp
     """An exercise the static pass has scored 0 (here: tampering) is settled: its probe,
     which would loop until the cell's time limit, is not run, and its judge is not
     asked; the next exercise is graded as usual."""
-    import mgpu_lab.course.grader as grader
+    import mgpu_lab.course.session as session
     judged = []
 
-    class Recording(grader.Judge):
+    class Recording(session.JudgeProcess):
         def verdict(self, grade_id, *args, **kwargs):
             judged.append(grade_id)
             return super().verdict(grade_id, *args, **kwargs)
 
-    monkeypatch.setattr(grader, "Judge", Recording)
+    monkeypatch.setattr(session, "JudgeProcess", Recording)
     write(toy(add="math.pi = 3.0\ndef add(a, b):\n    while True:\n        pass"),
           tmp_path / "sneaky.ipynb")
     box = SANDBOX if SANDBOX.available else Sandbox(False, "no bubblewrap here")
@@ -348,6 +351,29 @@ def test_a_probe_already_scored_zero_is_neither_run_nor_judged(tmp_path, monkeyp
 
 
 # --- the pieces, without kernels -----------------------------------------------
+
+@pytest.mark.parametrize("evidence, want", [
+    (dict(), ("NotJudged", 0.0)),
+    (dict(judged=True), (None, 4.0)),
+    (dict(judged=True, verdict="AssertionError", verdict_message="off by one"),
+     ("AssertionError", 0.0)),
+    (dict(error="NotImplementedError", judged=True), ("NotImplementedError", 0.0)),
+    (dict(calls=["operator.add"], error="ValueError", judged=True), ("ForbiddenCall", 0.0)),
+    (dict(tampering=["cell 2: line 1: replaces torch.equal"], calls=["operator.add"],
+          error="ValueError", judged=True), ("Tampering", 0.0)),
+    (dict(missing=True, tampering=["x"], calls=["y"]), ("Missing", 0.0)),
+])
+def test_scoring_precedence_tampering_then_forbidden_call_then_error_then_verdict(evidence, want):
+    """The table, without kernels: the first source of evidence that objects decides."""
+    from mgpu_lab.course.scoring import PRECEDENCE, Evidence, score
+    assert PRECEDENCE == ("Tampering", "ForbiddenCall", "kernel error", "verdict")
+    got = score("t", 4, Evidence(**evidence))
+    assert (got.error, got.score, got.max_score) == (*want, 4.0)
+    if got.error == "ForbiddenCall":
+        assert got.message == "this exercise must not call operator.add"
+    if got.error == "AssertionError":
+        assert got.message == "off by one"
+
 
 def test_match_by_lab_id_then_grade_ids_never_file_name():
     labs = load_solutions(DATA / "solutions")
@@ -376,7 +402,8 @@ def test_prepare_submission_uses_the_instructors_cells_without_their_source():
 
 
 def test_static_check_resolves_import_aliases_and_tensor_methods():
-    aliases = guard.import_aliases(["import torch.distributed as d\nfrom mgpu_lab import scatter as sc"])
+    from mgpu_lab.course.cells import import_aliases, parse
+    aliases = import_aliases([parse("import torch.distributed as d\nfrom mgpu_lab import scatter as sc")])
     src = "def f(x):\n    sc(x)\n    x.chunk(2)\n    d.all_reduce(x)\n    torch.nn.parallel.scatter_gather.scatter"
     forbidden = ["mgpu_lab.scatter", "torch.Tensor.chunk", "torch.distributed.all_reduce",
                  "torch.nn.parallel.scatter"]
@@ -384,7 +411,7 @@ def test_static_check_resolves_import_aliases_and_tensor_methods():
     assert guard.static_violations("def f(x):\n    return x[:2]", forbidden, aliases) == []
     # A cell that starts with IPython syntax is still read (the kernel runs it as Python).
     magic = "%matplotlib inline\nfrom mgpu_lab import scatter as s2\ndef f(x):\n    return s2(x)"
-    assert guard.import_aliases([magic]) == {"s2": "mgpu_lab.scatter"}
+    assert import_aliases([parse(magic)]) == {"s2": "mgpu_lab.scatter"}
     assert guard.static_violations(magic, forbidden, {}) == ["mgpu_lab.scatter"]
 
 
@@ -429,8 +456,9 @@ FROM_SCRATCH = {  # lab -> graded cells of from-scratch exercises (labs 00-04)
 def test_a_cheat_calling_the_reference_scores_zero_in_every_from_scratch_exercise(lab):
     """Each from-scratch exercise names its references; a solution calling one is caught,
     the instructor's solution is not."""
-    from mgpu_lab.course.submission import exercise_of, forbidden_of
-    from mgpu_lab.course.notebooks import BEGIN_SOLUTION, END_SOLUTION, graded_cells
+    from mgpu_lab.course.cells import exercise_of, graded_cells
+    from mgpu_lab.course.guard import forbidden_of, notebook_violations as static_check
+    from mgpu_lab.course.notebooks import BEGIN_SOLUTION, END_SOLUTION
     solution = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
     assert static_check(solution, solution) == {}
     tests, exercise = graded_cells(solution), exercise_of(solution)
@@ -497,6 +525,19 @@ def test_bad_usage_exits_2(args, capsys):
     assert "mgpu-lab grade:" in capsys.readouterr().err
 
 
+def test_h3_a_learners_exception_is_reported_by_type_and_line_never_its_message(graded):
+    """H3: an exception raised in the learner's code carries no text of the learner's into
+    the report: its type (a class of the learner's own is "Exception") and the learner's
+    line; the feedback neither."""
+    leaky = graded[1]["leaky"]
+    assert scores(leaky) == {"add_test": (0, "ValueError"), "mul_test": (0, "Exception")}
+    messages = {e["grade_id"]: e["message"] for e in leaky["exercises"]}
+    assert messages["add_test"] == "raised at line 2 of cell 2 (your code)"
+    assert messages["mul_test"] == "raised at line 4 of cell 4 (your code)"
+    text = (graded[3] / "leaky" / "toy.md").read_text()
+    assert "secret" not in text and "HIDDEN" not in text and "<b>" not in text
+
+
 def test_find_submissions_layouts(tmp_path):
     from mgpu_lab.course.classroom import find_submissions
     for path in ("course/submitted/ann/ps1/lab.ipynb", "course/submitted/ben/ps1/x/y.ipynb",
@@ -505,7 +546,7 @@ def test_find_submissions_layouts(tmp_path):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("{}")
     found = find_submissions([tmp_path / "course", tmp_path / "flat"])
-    assert [(s, p.name) for s, p in found] == [("ann", "lab.ipynb"), ("ben", "y.ipynb"),
+    assert [(s, p.name) for s, p, _ in found] == [("ann", "lab.ipynb"), ("ben", "y.ipynb"),
                                                ("cy", "cy.ipynb"), ("dee", "01 (1).ipynb")]
     with pytest.raises(FileNotFoundError):
         find_submissions([tmp_path / "nope"])
@@ -521,3 +562,155 @@ def test_a_package_under_tmp_is_bound_over_the_private_tmp(tmp_path):
     pairs = [(argv[i], argv[i + 1]) for i in range(len(argv) - 1)]
     assert pairs.index(("--tmpfs", "/tmp")) < pairs.index(("--ro-bind", str(package)))
     assert pairs.index(("--dev", "/dev")) < pairs.index(("--tmpfs", "/dev/shm"))
+
+
+
+# --- the harms of issue 29 (each test failed before its fix) ------------------------
+
+def _toy_instructor(**metadata):
+    inst = nbformat.read(TOY, as_version=4)
+    inst.cells[3].metadata["mgpu_lab"] = metadata           # add_test
+    return inst
+
+
+def test_h1_the_static_pass_never_imports_a_module_a_submission_names(tmp_path, monkeypatch):
+    """A name in a never-run branch, under a forbidden reference's package, named a module
+    that exits on import: the static pass imported it and the whole class's run ended."""
+    import sys
+    from mgpu_lab.course.grader import static_pass
+    package = tmp_path / "evil_pkg_c28"
+    package.mkdir()
+    (package / "__init__.py").write_text("def f(a, b):\n    return a + b\n")
+    (package / "boom.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n"
+                                     "raise SystemExit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    inst = _toy_instructor(reimplements=["evil_pkg_c28.f"])
+    bomb = toy(first="import evil_pkg_c28",
+               add="def add(a, b):\n    if False:\n        evil_pkg_c28.boom.x()\n    return a + b")
+    assert static_pass(bomb, inst) == ([], {})
+    assert not (tmp_path / "ran").exists() and "evil_pkg_c28.boom" not in sys.modules
+    cheat = toy(first="import evil_pkg_c28 as e", add="def add(a, b):\n    return e.f(a, b)")
+    assert static_pass(cheat, inst)[1] == {"add_test": ["evil_pkg_c28.f"]}
+
+
+@pytest.mark.parametrize("failure", [SystemExit(3), KeyboardInterrupt(), RuntimeError("bug")],
+                         ids=["SystemExit", "KeyboardInterrupt", "grader exception"])
+def test_h1_one_notebooks_failure_of_any_kind_costs_that_notebook_only(tmp_path, monkeypatch,
+                                                                       failure):
+    """The table, CSV, JSON and feedback of everyone else are written."""
+    import mgpu_lab.course.classroom as classroom
+
+    def fake(path, labs, student, *args, **kwargs):
+        if student == "bad":
+            raise failure
+        return NotebookGrade(str(path), Path(path).name, student, "toy",
+                             [ExerciseScore("add_test", 2.0, 2.0)])
+    monkeypatch.setattr(classroom, "grade_notebook", fake)
+    for student in ("ann", "bad", "cy"):
+        write(toy(), tmp_path / "class" / student / "lab.ipynb")
+    out = tmp_path / "out"
+    code = cli(["grade", str(tmp_path / "class"), "--solutions", str(DATA / "solutions"),
+                "--no-sandbox", "--quiet", "--json", str(tmp_path / "g.json"),
+                "--csv", str(tmp_path / "g.csv"), "--feedback", str(out)])
+    assert code == 1                                   # the grader failed on one notebook
+    report = {nb["student"]: nb for nb in json.loads((tmp_path / "g.json").read_text())["notebooks"]}
+    assert report["bad"]["error"].startswith(f"GraderError: {type(failure).__name__}")
+    assert report["ann"]["score"] == report["cy"]["score"] == 2
+    with open(tmp_path / "g.csv", newline="") as f:
+        rows = {r["student"]: r for r in csv.DictReader(f)}
+    assert rows["ann"]["total"] == rows["cy"]["total"] == "2.0"
+    assert (out / "ann" / "toy.md").exists() and (out / "cy" / "toy.md").exists()
+
+
+def test_h6_the_static_pass_is_linear_a_chain_of_5000_aliases_well_under_a_second():
+    """A chain of helpers, each calling the next, the last an alias of the reference,
+    defined in the order that made the old fixed point quadratic (N = 300: 32 s)."""
+    import time
+    from mgpu_lab.course.cells import parse
+    from mgpu_lab.course.grader import static_pass
+    n = 5000
+    chain = ("import operator\n" + "".join(f"def a{i}(x, y):\n    return a{i + 1}(x, y)\n"
+                                            for i in range(n)) + f"a{n} = operator.add\n")
+    nb = toy(first=chain, add="def add(a, b):\n    return a0(a, b)")
+    parse(chain)                                   # Python's own parser: not ours to time
+    cpu = time.process_time()
+    tampered, static = static_pass(nb, nbformat.read(TOY, as_version=4))
+    cpu = time.process_time() - cpu
+    assert static == {"add_test": ["operator.add"]}       # found through all 5000
+    assert cpu < 1.0, f"{cpu:.2f} s of CPU for {n} aliases"
+
+
+def test_h1_a_submission_the_static_pass_cannot_read_costs_that_notebook_only(tmp_path,
+                                                                             monkeypatch):
+    """Its own time limit (and a bound on a cell's size): the notebook scores 0 on every
+    exercise, "Unanalysable", without running; nothing else is affected."""
+    import mgpu_lab.course.grader as grader
+    labs = load_solutions(DATA / "solutions")
+    write(toy(add="x = 1\n" * 200_000 + "def add(a, b):\n    return a + b"), tmp_path / "big.ipynb")
+    grade = grade_notebook(tmp_path / "big.ipynb", labs, box=Sandbox(False, "test"))
+    assert grade.error.startswith("Unanalysable") and grade.max_score == 5
+    assert [(e.score, e.error) for e in grade.exercises] == [(0.0, "Unanalysable")] * 2
+    monkeypatch.setattr(grader, "STATIC_TIMEOUT", 0.0)
+    write(toy(), tmp_path / "slow.ipynb")
+    grade = grade_notebook(tmp_path / "slow.ipynb", labs, box=Sandbox(False, "test"))
+    assert grade.error == "Unanalysable: the static pass ran past 0 s" and grade.seconds < 30
+
+
+def test_h2_csv_escapes_formulas_and_feedback_escapes_markdown_and_html(tmp_path):
+    from mgpu_lab.course.report import write_csv, write_feedback
+    evil = '=HYPERLINK("http://evil.example/?q=1","click")'
+    message = "<img src=x onerror=alert(1)> [click](http://evil.example) | *bold* www.evil.example"
+    grades = [NotebookGrade("c/a.ipynb", "a.ipynb", evil, "toy",
+                            [ExerciseScore("add_test", 0.0, 2.0, "AssertionError", message)],
+                            notes=["@SUM(A1:A9)"]),
+              NotebookGrade("c/b.ipynb", "b.ipynb", "-2+3", "toy", [ExerciseScore("add_test", 2.0, 2.0)])]
+    write_csv(grades, tmp_path / "g.csv")
+    with open(tmp_path / "g.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert sorted(r[0] for r in rows[1:]) == sorted(["'" + evil, "'-2+3"])
+    assert not [c for r in rows for c in r if c.startswith(("=", "+", "-", "@", "\t", "\r"))]
+    write_feedback(grades, tmp_path / "fb")
+    text = "".join(p.read_text() for p in (tmp_path / "fb").rglob("*.md"))
+    for raw in ("<img", "](", "*bold*", "| *", "www.evil", "http://"):
+        assert raw not in text, raw
+    assert "&lt;img" in text and "\\[click\\]\\(" in text
+
+
+def test_h5_a_symlink_out_of_the_submission_folder_is_refused_unread(tmp_path):
+    """A symbolic link to the instructor's solution scored full marks: a submission is read
+    only where its folder really is."""
+    klass = tmp_path / "class"
+    (klass / "alice").mkdir(parents=True)
+    (klass / "alice" / "lab.ipynb").symlink_to(TOY)                     # a file elsewhere
+    (klass / "bob").symlink_to(DATA / "solutions", target_is_directory=True)   # a folder
+    (klass / "cy.ipynb").symlink_to(TOY)                                # a flat one
+    write(toy(), klass / "dee" / "lab.ipynb")
+    (klass / "dee" / "again.ipynb").symlink_to(klass / "dee" / "lab.ipynb")   # inside: fine
+    assert cli(["grade", str(klass), "--solutions", str(DATA / "solutions"), "--no-sandbox",
+                "--quiet", "--json", str(tmp_path / "g.json")]) == 0
+    report = {Path(nb["path"]).relative_to(klass).as_posix(): nb
+              for nb in json.loads((tmp_path / "g.json").read_text())["notebooks"]}
+    for name in ("alice/lab.ipynb", "bob/toy.ipynb", "cy.ipynb"):
+        assert report[name]["error"] == "Refused: a symbolic link out of the submission folder"
+        assert report[name]["score"] == 0
+    assert report["dee/lab.ipynb"]["score"] == report["dee/again.ipynb"]["score"] == 5
+
+
+def test_h3_what_a_report_may_say_about_a_kernel_error_without_kernels():
+    from mgpu_lab.course.scoring import kernel_error, verdict_text
+    cells, graded = {2: (2, 3)}, (4, 6)
+    assert kernel_error("ValueError", "secret 3 4", [(4, 1), (2, 3)], cells, graded, {"add"}) == (
+        "ValueError", "raised at line 3 of cell 2 (your code)")
+    assert kernel_error("HIDDEN_3_4", "x", [(2, 1)], cells, graded, set()) == (
+        "Exception", "raised at line 1 of cell 2 (your code)")
+    assert kernel_error("NameError", "name 'mul' is not defined", [(4, 2)], cells, graded,
+                        {"mul"})[1] == "name 'mul' is not defined; raised in the check's probe, line 2"
+    assert kernel_error("NameError", "name 'secret_7' is not defined", [(4, 2)], cells, graded,
+                        {"mul"})[1] == "raised in the check's probe, line 2"
+    assert kernel_error("Timeout", "learner's text", [], cells, graded, set())[1] == \
+        "the cell ran past its time limit and was interrupted"
+    assert kernel_error("LaunchError", "rank 1 failed\n  File x\nSecretError: 3 4", [(4, 1)],
+                        cells, graded, set())[1].startswith("a rank raised Exception")
+    assert kernel_error("ValueError", "x", [(2, 99), (7, 1)], cells, graded, set())[1] == ""
+    assert verdict_text("TypeError", "got 'secret'", 5) == ("TypeError", "raised by the check, line 5")
+    assert verdict_text("AssertionError", "off by one", 5) == ("AssertionError", "off by one")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mgpu_lab.course import graded_cell
-from mgpu_lab.course.judge import Judge, JudgeError, dumps, loads
+from mgpu_lab.course.judge import JudgeError, JudgeProcess, dumps, loads
 from mgpu_lab.course.notebooks import MarkerError, check_notebook, make_lab
 from mgpu_lab.course.tamper import findings, tampering
 from conftest import ROOT
@@ -65,7 +65,7 @@ def test_a_graded_cell_without_its_markers_is_refused_by_labs_build(source, why)
 @pytest.fixture()
 def judge(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    j = Judge(env, str(tmp_path), timeout=60)
+    j = JudgeProcess(env, str(tmp_path), timeout=60)
     j.setup(["import torch", "%matplotlib inline\nscale = 2"])
     yield j
     j.close()
@@ -77,11 +77,12 @@ def test_the_judge_sends_plain_inputs_and_decides_on_plain_answers(judge):
     assert sorted(ship) == ["spec", "x"] and drop == ["net"]      # a module does not cross
     assert torch.equal(loads(ship["x"]), torch.arange(3.0))
     judge_part = "assert torch.equal(mine, x * scale) and isinstance(net, torch.nn.Linear)"
-    assert judge.verdict("t", judge_part, {"mine": dumps(torch.arange(3.0) * 2)}, []) == (None, "")
+    assert judge.verdict("t", judge_part, {"mine": dumps(torch.arange(3.0) * 2)}, []).ok
     judge.inputs("t", "x = torch.arange(3.0)")
-    error, message = judge.verdict("t", "assert torch.equal(mine, x * scale), 'f doubles'",
-                                   {"mine": dumps(torch.zeros(3))}, [])
-    assert (error, message) == ("AssertionError", "f doubles")
+    reply = judge.verdict("t", "\nassert torch.equal(mine, x * scale), 'f doubles'",
+                          {"mine": dumps(torch.zeros(3))}, [])
+    assert (reply.ok, reply.error, reply.message, reply.line) == (False, "AssertionError",
+                                                                  "f doubles", 2)
 
 
 def test_the_judge_never_unpickles_code(judge, tmp_path):
@@ -94,9 +95,9 @@ def test_the_judge_never_unpickles_code(judge, tmp_path):
     buf = io.BytesIO()
     torch.save({"mine": Evil()}, buf)
     judge.inputs("t", "x = 1")
-    error, message = judge.verdict("t", "assert mine['mine'] == 1",
-                                   {"mine": base64.b64encode(buf.getvalue()).decode()}, [])
-    assert error == "NameError" and "not plain data" in message
+    reply = judge.verdict("t", "assert mine['mine'] == 1",
+                          {"mine": base64.b64encode(buf.getvalue()).decode()}, [])
+    assert reply.error == "NameError" and "not plain data" in reply.message
     assert not marker.exists()
     with pytest.raises(pickle.UnpicklingError):
         loads(buf.getvalue())
@@ -105,15 +106,16 @@ def test_the_judge_never_unpickles_code(judge, tmp_path):
 
 def test_a_name_the_probe_could_not_send_is_named_in_the_verdict(judge):
     judge.inputs("t", "x = 1")
-    error, message = judge.verdict("t", "assert mine == 1", {}, ["mine"])
-    assert error == "NameError" and "`mine`" in message and "plain data" in message
+    reply = judge.verdict("t", "assert mine == 1", {}, ["mine"])
+    assert reply.error == "NameError" and "`mine`" in reply.message and "plain data" in reply.message
 
 
 def test_a_judge_that_does_not_answer_in_time_is_an_error_of_the_grader(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    j = Judge(env, str(tmp_path), timeout=3)
+    j = JudgeProcess(env, str(tmp_path), timeout=120)
     try:
-        j.setup(["import time"])
+        j.setup(["import time"])        # the start (an import of torch) under any load
+        j.timeout = 3
         with pytest.raises(JudgeError, match="no answer to slow's inputs within 3 s"):
             j.inputs("slow", "time.sleep(30)")
         assert j.proc.poll() is not None                    # killed, not left behind
@@ -217,3 +219,43 @@ def test_toy_fixture_lab_is_valid():
     check_notebook(nbformat.read(ROOT / "tests" / "data" / "grader" / "solutions" / "toy.ipynb",
                                  as_version=4))
     assert textwrap.dedent(CELL) == CELL
+
+
+# --- the harms of issue 29 ------------------------------------------------------------
+
+def test_h3_a_check_that_fails_on_the_learners_data_keeps_only_its_type_and_line(judge):
+    """Only an assertion keeps its (the instructor's) message: any other exception's text
+    may quote the learner's data, which the learner chose."""
+    judge.inputs("t", "x = 1")
+    reply = judge.verdict("t", "\n\nvalue = int(mine)", {"mine": dumps("secret-input-7")}, [])
+    assert (reply.error, reply.message, reply.line) == ("ValueError", "", 3)
+    judge.inputs("t", "x = 1")
+    reply = judge.verdict("t", "assert mine == 1, 'mine must be 1'", {"mine": dumps(2)}, [])
+    assert (reply.error, reply.message) == ("AssertionError", "mine must be 1")
+
+
+def test_h4_the_judge_refuses_a_view_that_would_make_it_allocate(judge):
+    """A zero-stride view (4 bytes of storage, 2**31 elements) sent back as an answer: the
+    judge refused to hold it, and copies what it holds."""
+    view = torch.zeros(1).expand(2**31)
+    judge.inputs("t", "x = 1")
+    reply = judge.verdict("t", "assert mine.numel() == 2**31", {"mine": dumps(view)}, [])
+    assert reply.error == "NameError" and "not plain data" in reply.message
+    judge.inputs("t", "x = 1")
+    dense = torch.arange(12.0).reshape(3, 4).t()          # a transposed view: a copy is fine
+    assert judge.verdict("t", "assert torch.equal(mine, torch.arange(12.0).reshape(3, 4).t())"
+                              " and mine.is_contiguous()", {"mine": dumps(dense)}, []).ok
+
+
+def test_h4_the_judge_runs_under_a_memory_limit(tmp_path):
+    from mgpu_lab.course.judge import MEMORY_ENV
+    if list(__import__("glob").glob("/dev/nvidia*")):
+        pytest.skip("with a GPU the judge has no address-space limit (CUDA maps far more)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **{MEMORY_ENV: str(6 * 2**30)})
+    j = JudgeProcess(env, str(tmp_path), timeout=120)
+    try:
+        ship, _ = j.inputs("m", "import resource\nlimit = resource.getrlimit(resource.RLIMIT_AS)[0]")
+        assert loads(ship["limit"]) == 6 * 2**30
+    finally:
+        j.close()

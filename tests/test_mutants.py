@@ -9,26 +9,41 @@ run, sandboxed where bubblewrap works. A mutant is *killed* when its exercise sc
 reference call as a forbidden call (or tampering, for ``getattr`` of a built name),
 a wrong answer or a copy by a failed check, never by a crash of the check itself.
 The kill rate must be 100 %; the test prints it per lab.
+
+The run is a child process, started as soon as the session's tests are collected
+(tests/conftest.py calls :func:`start_beside`): it grades beside the other tests, which
+leave one of the two cores idle much of the time (waits on launches, time limits,
+browsers), and the tests here run last, when it is done. ``MGPU_LAB_MUTANTS_SOLUTION=1``
+also grades each selected lab's whole solution, which must score full marks (the
+author's loop, ``mgpu-lab labs check NN``, sets it).
 """
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 from time import monotonic
 
 import nbformat
 import pytest
 
-from mgpu_lab.cli import main as cli
-from mgpu_lab.course.notebooks import graded_cells, make_lab, nbgrader_meta
+from mgpu_lab.course.cells import exercise_of, graded_cells, nbgrader_meta
+from mgpu_lab.course.guard import forbidden_of
+from mgpu_lab.course.notebooks import make_lab
 from mgpu_lab.course.sandbox import probe
-from mgpu_lab.course.submission import exercise_of, forbidden_of
 from conftest import ROOT
 from mutants import KINDS, all_mutants
 
 MUTANTS = all_mutants()
 LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
-# The first test to use the mutation run grades it (82 notebooks, about 5.5 min on 2 cores),
-# over pytest's default limit per test.
+# The first test to use the mutation run waits for it (82 notebooks, a few minutes on 2
+# cores), over pytest's default limit per test.
 MUTATION_RUN_TIMEOUT = 1200
+WITH_SOLUTION = os.environ.get("MGPU_LAB_MUTANTS_SOLUTION") == "1"
+NICE = 10
 NOT_A_KILL = {"JudgeError", "NotJudged", "NotRun", "GraderError", "Missing"}
 
 
@@ -91,12 +106,16 @@ def test_every_exercise_has_three_mutants_of_the_required_kinds():
     assert all(m.kind in KINDS and m.mistake for m in MUTANTS), "every mutant names its mistake"
 
 
-def _selected_labs(session):
+def _mine(item) -> bool:
+    return getattr(getattr(item, "module", None), "__name__", None) == __name__
+
+
+def _selected_labs(items):
     """The labs of the selected tests (``-k 00_setup`` grades lab 00 only); all of them
     when the kill-rate test is selected."""
     labs = set()
-    for item in session.items:
-        if item.module.__name__ != __name__:
+    for item in items:
+        if not _mine(item):
             continue
         if item.originalname == "test_kill_rate_is_100_percent":
             return LABS
@@ -105,38 +124,105 @@ def _selected_labs(session):
     return sorted(labs)
 
 
+class MutationRun:
+    """``mgpu-lab grade --jobs 2`` over every round of the labs, each untouched lab (and
+    each solution, :data:`WITH_SOLUTION`), in a child process."""
+
+    def __init__(self, labs):
+        self.folder = Path(tempfile.mkdtemp(prefix="mgpu-lab-mutants-"))
+        klass, self.plan = self.folder / "class", {}
+        klass.mkdir()
+        for lab in labs:
+            sol = solution(lab)
+            answers = {nbgrader_meta(c)["grade_id"]: c.source for c in sol.cells
+                       if nbgrader_meta(c).get("solution")}
+            for r, row in enumerate(rounds(lab)):
+                sources = dict(answers)
+                for ex, m in row.items():
+                    if m is not None:
+                        new = m.make(answers[ex])
+                        assert new != answers[ex], f"{lab} {m.name} changes nothing"
+                        sources[ex] = new
+                name = f"{lab}--round{r}"
+                nbformat.write(filled(lab, sources), klass / f"{name}.ipynb")
+                self.plan[name] = (lab, row)
+            nbformat.write(make_lab(sol), klass / f"{lab}--untouched.ipynb")
+            self.plan[f"{lab}--untouched"] = (lab, None)
+            if WITH_SOLUTION:
+                nbformat.write(filled(lab, answers), klass / f"{lab}--solution.ipynb")
+                self.plan[f"{lab}--solution"] = (lab, {ex: None for ex in exercises(lab)})
+        self.out = self.folder / "grades.json"
+        args = [sys.executable, "-m", "mgpu_lab", "grade", str(klass), "--solutions",
+                str(ROOT / "solutions"), "--json", str(self.out), "--jobs", "2", "--quiet"]
+        if not probe().available:
+            args.append("--no-sandbox")
+        self.start = monotonic()
+        # A daemon (its parent exits at once): the tests that check that they leave no
+        # process behind do not see it. Niced: it takes the CPU the other tests leave
+        # idle, and yields it to them (their time limits are tighter than its own).
+        self.log, self.rc, self.pid = (self.folder / n for n in ("log", "rc", "pid"))
+        subprocess.run([sys.executable, "-c", DAEMON, str(self.log), str(self.rc),
+                        str(self.pid), str(NICE), *args], check=True)
+
+    def result(self, timeout: float):
+        """``(plan, {student: graded notebook}, seconds)``, waiting ``timeout`` seconds at
+        most for the run to end."""
+        end = monotonic() + timeout
+        while not self.rc.exists() and monotonic() < end:
+            time.sleep(1)
+        if not self.rc.exists():
+            self.stop()
+            pytest.fail(f"the mutation run did not end in {timeout:g} s more")
+        time.sleep(0.2)
+        output = self.log.read_text(errors="replace")
+        assert self.rc.read_text().strip() == "0", output[-3000:]
+        seconds = monotonic() - self.start
+        graded = {n["student"]: n for n in json.loads(self.out.read_text())["notebooks"]}
+        return self.plan, graded, seconds
+
+    def stop(self) -> None:
+        if not self.rc.exists() and self.pid.exists():
+            try:
+                os.killpg(int(self.pid.read_text()), 9)
+            except (OSError, ValueError):
+                pass
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+DAEMON = """import os, subprocess, sys
+log, rc, pid, nice = sys.argv[1:5]
+if os.fork():
+    os._exit(0)
+os.setsid()
+os.nice(int(nice))
+open(pid, "w").write(str(os.getpid()))
+code = subprocess.call(sys.argv[5:], stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+open(rc + ".tmp", "w").write(str(code))
+os.rename(rc + ".tmp", rc)
+"""
+
+
+_RUN = {}
+
+
+def start_beside(config, items) -> None:
+    """From tests/conftest.py, once the tests are collected: start the mutation run of the
+    selected labs now, and move its tests to the end of the session."""
+    mine = [item for item in items if _mine(item)]
+    items[:] = [item for item in items if not _mine(item)] + mine
+    labs = _selected_labs(mine)
+    if labs and not config.option.collectonly and "run" not in _RUN:
+        _RUN["run"] = MutationRun(labs)
+        config.add_cleanup(_RUN["run"].stop)
+
+
 @pytest.fixture(scope="module")
-def mutation_run(tmp_path_factory, request):
-    """Grade every round of every (selected) lab, and every untouched lab, in one run."""
-    klass = tmp_path_factory.mktemp("mutants") / "class"
-    klass.mkdir()
-    plan = {}
-    for lab in _selected_labs(request.session):
-        sol = solution(lab)
-        answers = {nbgrader_meta(c)["grade_id"]: c.source for c in sol.cells
-                   if nbgrader_meta(c).get("solution")}
-        for r, row in enumerate(rounds(lab)):
-            sources = dict(answers)
-            for ex, m in row.items():
-                if m is not None:
-                    new = m.make(answers[ex])
-                    assert new != answers[ex], f"{lab} {m.name} changes nothing"
-                    sources[ex] = new
-            name = f"{lab}--round{r}"
-            nbformat.write(filled(lab, sources), klass / f"{name}.ipynb")
-            plan[name] = (lab, row)
-        nbformat.write(make_lab(sol), klass / f"{lab}--untouched.ipynb")
-        plan[f"{lab}--untouched"] = (lab, None)
-    out = klass.parent / "grades.json"
-    args = ["grade", str(klass), "--solutions", str(ROOT / "solutions"), "--json", str(out),
-            "--jobs", "2", "--quiet"]
-    if not probe().available:
-        args.append("--no-sandbox")
-    start = monotonic()
-    assert cli(args) == 0
-    seconds = monotonic() - start
-    graded = {n["student"]: n for n in json.loads(out.read_text())["notebooks"]}
-    return plan, graded, seconds
+def mutation_run(request):
+    """The mutation run's result (started beside the other tests, or now)."""
+    if "run" not in _RUN:
+        _RUN["run"] = MutationRun(_selected_labs(request.session.items))
+        request.config.add_cleanup(_RUN["run"].stop)
+    return _RUN["run"].result(MUTATION_RUN_TIMEOUT)
 
 
 def _verdicts(plan, graded, lab):
@@ -160,7 +246,7 @@ def _verdicts(plan, graded, lab):
                 bad = [f"{e['grade_id']} {e['score']}/{e['max_score']} {e['error']}: "
                        f"{e['message'][:150]}" for e in got if e["score"] != e["max_score"]]
                 if bad:
-                    problems.append(f"{name} {ex}: the solution lost points beside mutants: {bad}")
+                    problems.append(f"{name} {ex}: the solution lost points: {bad}")
             else:
                 ok = {"tamper": {"Tampering"}, "reference": {"ForbiddenCall", "Tampering"}}
                 killed = all(e["score"] == 0 and e["error"] and e["error"] not in NOT_A_KILL

@@ -200,7 +200,7 @@ def test_answer_key_cells_stay_in_the_solution():
 def test_readme_lab_table_matches_the_notebooks():
     """README's "The labs" table: one row per solution, with its exercises and points."""
     import re
-    from mgpu_lab.course.submission import exercise_of
+    from mgpu_lab.course.cells import exercise_of
     readme = (ROOT / "README.md").read_text()
     rows = dict(re.findall(r"^\| (\d\d) \|.*?\| (\d+ \(\d+\)) \|", readme, re.M))
     want = {}

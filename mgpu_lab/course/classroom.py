@@ -6,15 +6,23 @@ handed in what (:func:`find_submissions`), grading N notebooks at once
 """
 from __future__ import annotations
 
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, NamedTuple, Optional
 
-from .grader import NotebookGrade, brief, grade_notebook, load_solutions
+from .grader import grade_notebook, load_solutions
 from .layout import course_dir, find_root
 from .report import print_table, write_csv, write_feedback, write_json
 from .sandbox import Limits, probe
+from .scoring import NotebookGrade, brief
+
+
+class Submission(NamedTuple):
+    student: str
+    path: Path
+    folder: Optional[str] = None     # the real folder it must be in (None: named by hand)
 
 
 def _notebooks(folder: Path) -> List[Path]:
@@ -22,23 +30,27 @@ def _notebooks(folder: Path) -> List[Path]:
                   if ".ipynb_checkpoints" not in p.parts and p.is_file())
 
 
-def find_submissions(paths) -> List[Tuple[str, Path]]:
-    """``[(student, notebook)]``. A folder holds a folder per student (any depth
-    below it, so nbgrader's ``submitted/<student>/<lab>/`` works: pass
-    ``submitted``) and/or flat notebooks (student = file stem). A notebook named
-    on the command line is its own student (its path without ``.ipynb``)."""
+def find_submissions(paths) -> List[Submission]:
+    """``[(student, notebook, folder)]``. A folder holds a folder per student (any depth
+    below it, so nbgrader's ``submitted/<student>/<lab>/`` works: pass ``submitted``)
+    and/or flat notebooks (student = file stem). A notebook named on the command line is
+    its own student (its path without ``.ipynb``). ``folder``: the real path a found
+    notebook must lie in (its student's folder, or the class folder for a flat one):
+    one that a symbolic link takes elsewhere is refused when graded."""
     found = []
     for p in map(Path, paths):
         if p.is_dir():
             if (p / "submitted").is_dir():
                 p = p / "submitted"
+            real = os.path.realpath(p)
             for child in sorted(p.iterdir()):
                 if child.is_dir() and child.name != ".ipynb_checkpoints":
-                    found += [(child.name, nb) for nb in _notebooks(child)]
+                    own = os.path.join(real, child.name)
+                    found += [Submission(child.name, nb, own) for nb in _notebooks(child)]
                 elif child.suffix == ".ipynb" and child.is_file():
-                    found.append((child.stem, child))
+                    found.append(Submission(child.stem, child, real))
         elif p.is_file():
-            found.append((str(p.with_suffix("")), p))
+            found.append(Submission(str(p.with_suffix("")), p))
         else:
             raise FileNotFoundError(f"no such notebook or folder: {p}")
     return found
@@ -46,27 +58,37 @@ def find_submissions(paths) -> List[Tuple[str, Path]]:
 
 def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
                 progress=True) -> List[NotebookGrade]:
-    """Grade every ``(student, path)``, ``jobs`` at a time; in the input's order."""
+    """Grade every ``(student, path)``, ``jobs`` at a time; in the input's order. The
+    judges of one lab's notebooks are forks of one process (:mod:`.judge_pool`)."""
+    from .judge_pool import JudgePool
+    from .session import JUDGE_TIMEOUT, judge_environment
+    pool = JudgePool(lambda home: judge_environment(home, limits.memory_gib),
+                     max(timeout, JUDGE_TIMEOUT))
+
     def one(item):
-        student, path = item
+        student, path, folder = (tuple(item) + (None,))[:3]
         try:
-            return grade_notebook(path, labs, student, box, limits, timeout, total_timeout)
-        except Exception as err:  # the grader's own failure: say so, go on
-            return NotebookGrade(str(path), path.name, student,
-                                 error=f"GraderError: {brief(repr(err))}")
+            return grade_notebook(path, labs, student, box, limits, timeout, total_timeout,
+                                  pool, folder)
+        except BaseException as err:  # any failure of one notebook (SystemExit too) costs
+            return NotebookGrade(str(path), Path(path).name, student,  # that notebook only
+                                 error=f"GraderError: {type(err).__name__}: {brief(str(err))}")
 
     bar = None
     if progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(submissions), desc="grading", unit="notebook", file=sys.stderr)
     grades = []
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for grade in pool.map(one, submissions):
-            grades.append(grade)
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool_of_threads:
+            for grade in pool_of_threads.map(one, submissions):
+                grades.append(grade)
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        pool.close()
+        if bar is not None:
+            bar.close()
     return grades
 
 

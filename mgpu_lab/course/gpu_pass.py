@@ -56,7 +56,7 @@ def with_first_cell(nb, source: str):
 def run_lab(path: Path, first_cell: str = TOUCH_CUDA, timeout: float = 600.0) -> dict:
     """Run one solution notebook after ``first_cell``; outputs are never written back."""
     from .kernel import run_notebook
-    from .notebooks import nbgrader_meta
+    from .cells import nbgrader_meta
     start = time.monotonic()
     nb = with_first_cell(nbformat.read(path, as_version=4), first_cell)
     results = run_notebook(nb, cwd=path.parent, timeout=timeout, desc=path.stem, progress=False)

@@ -39,6 +39,8 @@ import re
 from dataclasses import dataclass
 from typing import List
 
+from .cells import parse
+
 PROBE = re.compile(r"^### PROBE\b.*$", re.M)
 JUDGE = re.compile(r"^### JUDGE\b.*$", re.M)
 
@@ -76,41 +78,41 @@ def bound_names(source: str) -> List[str]:
     and the names of functions and classes defined. A cell in IPython syntax
     (``%%writefile script.py`` binds nothing) is read as the kernel runs it.
     """
+    tree = parse(source)
+    if tree is None:
+        ast.parse(source)                       # raises the SyntaxError that says where
+        raise SyntaxError("not Python, even read as IPython syntax")
+    return names_bound(tree)
+
+
+def names_bound(node) -> List[str]:
+    """:func:`bound_names` of a parsed cell or statement (no recursion: any depth)."""
     names: List[str] = []
 
     def add(name):
-        if name not in names:
+        if name not in seen:
+            seen.add(name)
             names.append(name)
 
-    def targets(node):
-        for n in ast.walk(node):
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-                add(n.id)
-
-    def visit(node):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+    seen: set = set()
+    stack = [iter(ast.iter_child_nodes(node) if isinstance(node, ast.Module) else [node])]
+    while stack:
+        child = next(stack[-1], None)
+        if child is None:
+            stack.pop()
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            add(child.name)
+        elif isinstance(child, (ast.Import, ast.ImportFrom)):
+            for a in child.names:
+                add((a.asname or a.name).split(".")[0])
+        elif isinstance(child, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
+                                ast.GeneratorExp)):
+            continue                            # their own scope
+        elif isinstance(child, ast.Name):
+            if isinstance(child.ctx, ast.Store):
+                add(child.id)
+        else:
+            if isinstance(child, ast.ExceptHandler) and child.name:
                 add(child.name)
-            elif isinstance(child, (ast.Import, ast.ImportFrom)):
-                for a in child.names:
-                    add((a.asname or a.name).split(".")[0])
-            elif isinstance(child, ast.ExceptHandler) and child.name:
-                add(child.name)
-                visit(child)
-            elif isinstance(child, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp,
-                                    ast.GeneratorExp)):
-                continue                      # their own scope
-            elif isinstance(child, ast.Name):
-                targets(child)
-            else:
-                visit(child)
-
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        from .guard import _parse
-        tree = _parse(source)
-        if tree is None:
-            raise
-    visit(tree)
+            stack.append(iter(ast.iter_child_nodes(child)))
     return names

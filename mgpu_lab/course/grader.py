@@ -19,8 +19,9 @@ gone too). Cells tagged ``demo`` are not run. A graded cell is split in three
 process of ours (:mod:`mgpu_lab.course.judge`), its probe in the sandboxed
 kernel; it scores its points when the probe and the judge raise nothing, the
 learner's cells show no tampering (:mod:`mgpu_lab.course.tamper`) and, for a
-from-scratch exercise, no reference it re-implements is called
-(:mod:`mgpu_lab.course.guard`). Cells have ``--timeout`` seconds, the notebook
+from-scratch exercise, no reference it re-implements is called (a courtesy
+message, :mod:`mgpu_lab.course.guard`); :mod:`mgpu_lab.course.scoring` holds that
+order. The run itself is :mod:`mgpu_lab.course.session`'s. Cells have ``--timeout`` seconds, the notebook
 ``--total-timeout``; a dead kernel is restarted and the earlier cells replayed
 (:mod:`mgpu_lab.course.kernel`). Everything runs in a sandbox
 (:mod:`mgpu_lab.course.sandbox`): without one the command refuses unless told
@@ -29,73 +30,26 @@ scores; 1 when the grader itself failed on a notebook; 2 on bad usage.
 """
 from __future__ import annotations
 
-import json
+import ast
 import os
-import re
-import subprocess
-import sys
-import tempfile
-import threading
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from time import monotonic
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import nbformat
 
-from . import graded_cell, guard, runner
-from .judge import Judge, JudgeError, Lines
-from .notebooks import SETUP_TAG, graded_cells, lab_id, nbgrader_meta
-from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
-from .submission import (Prepared, forbidden_of, observed_of, prepare_submission,
-                         static_check)
+from . import graded_cell
+from .cells import given_statements, graded_cells, lab_id, nbgrader_meta, observed_of, parse
+from .guard import called_in, forbidden_of, notebook_violations
+from .sandbox import Limits, Sandbox
+from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
+                      verdict_text)
+from .session import run_prepared
+from .submission import prepare_submission
 from .tamper import tampering
 
-
-@dataclass
-class ExerciseScore:
-    grade_id: str
-    score: float
-    max_score: float
-    error: Optional[str] = None
-    message: str = ""
-    observed: str = ""        # what the check observes inside the kernel (not tamper-proof)
-
-
-@dataclass
-class NotebookGrade:
-    path: str
-    notebook: str
-    student: str = ""
-    lab: Optional[str] = None
-    exercises: List[ExerciseScore] = field(default_factory=list)
-    seconds: float = 0.0
-    error: Optional[str] = None            # the notebook could not be graded at all
-    notes: List[str] = field(default_factory=list)
-    sandboxed: bool = False
-    tampering: List[str] = field(default_factory=list)   # what the static pass flagged
-
-    @property
-    def score(self) -> float:
-        return sum(e.score for e in self.exercises)
-
-    @property
-    def max_score(self) -> float:
-        return sum(e.max_score for e in self.exercises)
-
-    def to_dict(self) -> dict:
-        return dict(asdict(self), score=self.score, max_score=self.max_score)
-
-
-def brief(message: str, limit: int = 200) -> str:
-    """One line for a report: the first line, and the last when there are more.
-
-    A ``LaunchError`` carries the failing rank's whole traceback; its last line
-    is the cause (``NotImplementedError``, ``AssertionError: ...``).
-    """
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    text = " ... ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+__all__ = ["ExerciseScore", "NotebookGrade", "brief", "grade_notebook", "load_solutions",
+           "match_lab"]
 
 
 # --- which lab is this? -----------------------------------------------------
@@ -127,166 +81,60 @@ def match_lab(student, labs: Dict[str, nbformat.NotebookNode]):
     return None, "no lab id and no graded cell of any lab: not a lab notebook?"
 
 
-# --- running it --------------------------------------------------------------
+# --- grading it ----------------------------------------------------------------
 
-def _environment(package_dir: Path, sandboxed: bool) -> dict:
-    home = WORK if sandboxed else os.getcwd()
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
-           "PYTHONPATH": str(package_dir.parent), "HOME": home, "TMPDIR": "/tmp",
-           "JUPYTER_RUNTIME_DIR": "/tmp/jupyter-runtime", "IPYTHONDIR": "/tmp/ipython",
-           "MPLCONFIGDIR": "/tmp/matplotlib", "PYTHONDONTWRITEBYTECODE": "1",
-           "JUPYTER_PLATFORM_DIRS": "1"}
-    for key in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MKL_NUM_THREADS"):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    return env
+STATIC_TIMEOUT = 60.0              # seconds for the static pass of one notebook
+NOTEBOOK_LIMIT = 32 * 2**20         # bytes of a submission
+CELL_LIMIT = 2**20                  # characters of one code cell the static pass reads
 
 
-JUDGE_TIMEOUT = 300.0   # seconds for each step of the judge process, at least
+class Unanalysable(Exception):
+    """The static pass could not read a submission (in time, or at all)."""
 
 
-def _judge_environment(package_dir: Path, home: str) -> dict:
-    """The judge runs the instructor's code only: the grader's own environment."""
-    env = dict(os.environ, MPLBACKEND="Agg", HOME=home, MPLCONFIGDIR=os.path.join(home, ".mpl"),
-               PYTHONPATH=os.pathsep.join([str(package_dir.parent)]
-                                          + ([os.environ["PYTHONPATH"]]
-                                             if os.environ.get("PYTHONPATH") else [])))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+def static_pass(submission, instructor, limit: Optional[float] = None):
+    """``(tampering findings, {grade_id: references called})`` of the learner's cells,
+    read, never run, nor anything they name imported (:mod:`.tamper`, :mod:`.guard`);
+    :class:`Unanalysable` past ``limit`` seconds or on a cell too odd to read."""
+    limit = STATIC_TIMEOUT if limit is None else limit
+    end = monotonic() + limit
 
-
-def setup_sources(instructor) -> List[str]:
-    """The instructor's cells tagged ``setup``: they run in the judge before any check."""
-    return [c.source for c in instructor.cells
-            if c.cell_type == "code" and SETUP_TAG in c.metadata.get("tags", [])]
-
-
-def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
-                 timeout: float, total_timeout: Optional[float], settled=frozenset()):
-    """Run the submission in the runner (sandboxed when ``box.available``), each
-    graded cell's probe in its kernel and its judge here, in a :class:`Judge`.
-
-    ``settled``: indices of graded cells already scored 0 by the static pass
-    (tampering, a call of the reference): their probes are not run (an empty probe
-    is sent in its place) and not judged; the learner's cells around them still run.
-
-    Returns ``(results, violations, verdicts)`` keyed by cell index: the runner's
-    cell results, the references a cell called, and the judge's
-    ``(error, message)`` for each graded cell whose probe ran.
-    """
-    import mgpu_lab
-    package_dir = Path(mgpu_lab.__file__).resolve().parent
-    tests = graded_cells(instructor)
-    parts = {i: graded_cell.split(tests[gid].source) for i, gid in prepared.graded.items()}
-    trusted = [c.source for c in instructor.cells if c.cell_type == "code"
-               and not nbgrader_meta(c).get("solution") and not nbgrader_meta(c).get("grade")]
-    header = {"notebook": nbformat.writes(prepared.nb), "timeout": timeout,
-              "total_timeout": total_timeout, "sandboxed": box.available,
-              "limits": asdict(limits), "cgroup": bool(box.cgroup), "trusted": trusted,
-              "graded": {i: {"grade_id": gid, "forbidden": forbidden_of(tests[gid])}
-                         for i, gid in prepared.graded.items()}}
-    argv = [sys.executable, "-c", runner.COMMAND]
-    cleanup = []
-    scratch = tempfile.TemporaryDirectory(prefix="mgpu-lab-grade-")
-    env = _environment(package_dir, box.available)
-    if box.available:
-        argv, cleanup = command(box, argv, limits, package_dir, env)
-        cwd = "/"
-    else:
-        cwd = env["HOME"] = os.path.join(scratch.name, "kernel")
-        os.makedirs(cwd)
-        env = dict(os.environ, **{k: v for k, v in env.items() if k not in ("TMPDIR",)})
-        if os.environ.get("PYTHONPATH"):
-            env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
-        for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
-            env[k] = os.path.join(cwd, "." + k.lower())
-    judge_home = os.path.join(scratch.name, "judge")
-    os.makedirs(judge_home)
-    def _fresh(old=None):
-        if old is not None:
-            old.close()
-        # The judge runs our code, not the learner's: its steps (an import of torch, a
-        # reference training run) get their own limit, not the learner's per-cell one.
-        new = Judge(_judge_environment(package_dir, judge_home), judge_home,
-                    max(timeout, JUDGE_TIMEOUT))
-        if old is not None:
-            new.setup(setup_sources(instructor))
-        return new
-
-    judge = _fresh()
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
-    tail = []
-    drain = threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True)
-    drain.start()
-    deadline = monotonic() + (total_timeout or 24 * 3600) + 60
-    verdicts, lines = {}, Lines(proc.stdout)
+    def check():
+        if monotonic() > end:
+            raise Unanalysable(f"the static pass ran past {limit:g} s")
+    if any(len(c.source) > CELL_LIMIT for c in submission.cells if c.cell_type == "code"):
+        raise Unanalysable(f"a code cell of more than {CELL_LIMIT} characters")
     try:
-        proc.stdin.write((json.dumps(header) + "\n").encode())
-        proc.stdin.flush()
-        judge.setup(setup_sources(instructor))      # while the kernel starts
-        while True:
-            line = lines.next(deadline)
-            if line is None:
-                raise RuntimeError("the runner gave no result"
-                                   + (f": {tail[-1][-300:]}" if tail else ""))
-            msg = json.loads(line)
-            if "need" in msg:
-                i = int(msg["need"])
-                if i in settled:
-                    verdicts[i] = ("Settled", "scored 0 by the static pass; not run")
-                    reply = {"source": "# scored 0 before it ran: see the report", "ship": {},
-                             "drop": [], "collect": []}
-                else:
-                    try:
-                        ship, drop = judge.inputs(prepared.graded[i], parts[i].inputs)
-                    except JudgeError as err:       # the check itself failed: not the learner's
-                        ship, drop, verdicts[i] = {}, [], ("JudgeError", str(err))
-                        judge = _fresh(judge)
-                    reply = {"source": parts[i].probe, "ship": ship, "drop": drop,
-                             "collect": graded_cell.bound_names(parts[i].probe)}
-                proc.stdin.write((json.dumps(reply) + "\n").encode())
-                proc.stdin.flush()
-            elif "answer" in msg:
-                i = int(msg["answer"])
-                if i in verdicts:
-                    continue
-                try:
-                    verdicts[i] = judge.verdict(prepared.graded[i], parts[i].judge,
-                                                msg["names"], msg["missing"])
-                except JudgeError as err:
-                    verdicts[i] = ("JudgeError", str(err))
-                    judge = _fresh(judge)
-            else:
-                return ({r["index"]: r for r in msg["results"]},
-                        {int(k): v for k, v in msg.get("violations", {}).items()}, verdicts)
-    finally:
-        judge.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        remove_cgroups(cleanup)
-        scratch.cleanup()
-
-
-def _drain(stream, tail: list, keep: int = 4096) -> None:
-    """Read the runner's stderr to its end, keeping only its last few KiB."""
-    buf = b""
-    for chunk in iter(lambda: stream.read1(65536), b""):
-        buf = (buf + chunk)[-keep:]
-        tail[:] = [buf.decode("utf-8", "replace")]
+        given = given_statements(instructor)
+        return (tampering(submission, instructor, given, check),
+                notebook_violations(submission, instructor, given, check))
+    except Unanalysable:
+        raise
+    except (RecursionError, MemoryError, ValueError, SyntaxError, TypeError) as err:
+        raise Unanalysable(f"{type(err).__name__} while reading its cells") from None
 
 
 def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
                    limits: Optional[Limits] = None, timeout: float = 120.0,
-                   total_timeout: Optional[float] = 1800.0) -> NotebookGrade:
-    """Score one submission against the matching lab in ``labs`` (see :func:`load_solutions`)."""
+                   total_timeout: Optional[float] = 1800.0, pool=None,
+                   folder: Optional[str] = None) -> NotebookGrade:
+    """Score one submission against the matching lab in ``labs`` (see :func:`load_solutions`):
+    read it, match its lab, prepare it, read it statically, run it, score each graded cell.
+    ``pool``: the run's :class:`~mgpu_lab.course.judge_pool.JudgePool` (None: a judge
+    process of its own); ``folder``: the real folder the notebook must lie in (a
+    symbolic link out of it is refused, never read)."""
     from .sandbox import probe
     path, start = Path(path), monotonic()
     box = box or probe()
     grade = NotebookGrade(str(path), path.name, student or path.stem, sandboxed=box.available)
+    real = os.path.realpath(path)
+    if folder is not None and not real.startswith(os.path.join(folder, "")):
+        grade.error = "Refused: a symbolic link out of the submission folder"
+        return grade
     try:
-        submission = nbformat.read(path, as_version=4)
+        if os.path.getsize(real) > NOTEBOOK_LIMIT:
+            raise ValueError(f"larger than {NOTEBOOK_LIMIT >> 20} MiB")
+        submission = nbformat.read(real, as_version=4)
     except Exception as err:  # not JSON, not a notebook
         grade.error = f"UnreadableNotebook: {brief(str(err))}"
         return grade
@@ -299,41 +147,66 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
         grade.notes.append(f"matched by its {how}")
     prepared = prepare_submission(submission, instructor)
     grade.notes += prepared.notes
-    static = static_check(submission, instructor)
-    tampered = tampering(submission, instructor)
+    try:
+        tampered, static = static_pass(submission, instructor)
+    except Unanalysable as err:        # costs this notebook: every exercise 0
+        grade.error = f"Unanalysable: {err}"
+        grade.exercises = [ExerciseScore(gid, 0.0, float(nbgrader_meta(c)["points"]),
+                                         "Unanalysable", str(err))
+                           for gid, c in graded_cells(instructor).items()]
+        grade.seconds = round(monotonic() - start, 2)
+        return grade
     grade.tampering = [f"{where}: {what}" for where, what, _ in tampered]
     zeroed = set(static) | {gid for _, _, gids in tampered for gid in gids}
     settled = {i for i, gid in prepared.graded.items() if gid in zeroed}
     try:
-        results, runtime, verdicts = run_prepared(prepared, instructor, box, limits or Limits(),
-                                                  timeout, total_timeout, settled)
+        run = run_prepared(prepared, instructor, box, limits or Limits(), timeout,
+                           total_timeout, settled, pool)
     except Exception as err:
-        results, runtime, verdicts = {}, {}, {}
+        run = None
         grade.error = f"GraderError: {brief(str(err))}"
     where = {gid: i for i, gid in prepared.graded.items()}
     for gid, cell in graded_cells(instructor).items():
-        points = float(nbgrader_meta(cell)["points"])
-        observed = observed_of(cell)
-        if gid in prepared.missing:
-            grade.exercises.append(ExerciseScore(gid, 0.0, points, "Missing",
-                                                 "the graded cell and its exercise were deleted"))
-            continue
-        r = results.get(where[gid], {"error": "NotRun", "message": ""})
-        calls = static.get(gid) or runtime.get(where[gid])
-        raised = re.search(guard.MESSAGE.format(r"([\w.]+)"), r.get("message") or "")
-        if not calls and raised:     # raised in a rank that launch() forked
-            calls = [raised.group(1)]
-        cheats = [f"{w}: {what}" for w, what, gids in tampered if gid in gids]
-        if cheats:
-            error, message = "Tampering", "; ".join(cheats)
-        elif calls:
-            error, message = "ForbiddenCall", guard.MESSAGE.format(", ".join(calls))
-        elif r["error"]:
-            error, message = r["error"], brief(r.get("message") or "")
-        else:
-            error, message = verdicts.get(where[gid], ("NotJudged", "the probe sent nothing"))
-            message = brief(message or "")
-        grade.exercises.append(ExerciseScore(gid, 0.0 if error else points, points, error,
-                                             message, observed))
+        grade.exercises.append(score(gid, float(nbgrader_meta(cell)["points"]),
+                                     evidence(gid, cell, where.get(gid), prepared, tampered,
+                                              static, run),
+                                     observed_of(cell)))
     grade.seconds = round(monotonic() - start, 2)
     return grade
+
+
+def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
+    """What the static pass and the run say about graded cell ``gid`` (at ``index``), in
+    words a report may show (:func:`~mgpu_lab.course.scoring.kernel_error`)."""
+    if gid in prepared.missing:
+        return Evidence(missing=True)
+    found = Evidence(tampering=[f"{w}: {what}" for w, what, gids in tampered if gid in gids])
+    result = run.results.get(index) if run is not None else None
+    forbidden = forbidden_of(cell)
+    found.calls = (static.get(gid) or (run.violations.get(index) if run else None)
+                   or called_in(result.message if result else "", forbidden))
+    if result is None:
+        found.error, found.message = kernel_error("NotRun", "", [], {}, (index, 0), ())
+    elif result.error:
+        probe = graded_cell.split(cell.source).probe
+        found.error, found.message = kernel_error(
+            result.error, result.message, result.frames, _learners_cells(prepared),
+            (index, cell.source.count("\n") + 1), _names_read(probe))
+    verdict = run.verdicts.get(index) if run is not None else None
+    if verdict is not None:
+        found.judged = True
+        found.verdict, found.verdict_message = verdict_text(verdict.error, verdict.message,
+                                                            verdict.line)
+    return found
+
+
+def _learners_cells(prepared) -> dict:
+    """``{cell index: (index in the learner's notebook, lines)}`` of the learner's code cells."""
+    return {i: (prepared.origin[i], c.source.count("\n") + 1)
+            for i, c in enumerate(prepared.nb.cells)
+            if c.cell_type == "code" and i not in prepared.graded and prepared.origin[i] is not None}
+
+
+def _names_read(source: str) -> set:
+    tree = parse(source)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} if tree else set()

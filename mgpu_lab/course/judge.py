@@ -2,41 +2,51 @@
 
     python -m mgpu_lab.course.judge      (started by the grader, never by hand)
 
-A process of the grader's own, with the instructor's code only: it never
-imports, unpickles or runs anything the learner wrote. Per notebook it runs the
-instructor's cells tagged ``setup`` (imports, models, helpers the checks use);
-then, per graded cell (:mod:`mgpu_lab.course.graded_cell`):
+A process of the grader's own, with the instructor's code only: it never imports,
+unpickles or runs anything the learner wrote. It runs the instructor's cells tagged
+``setup`` (imports, models, helpers the checks use); then, per graded cell
+(:mod:`mgpu_lab.course.graded_cell`):
 
-1. ``inputs``: runs the cell's inputs part in a fresh copy of the setup
-   namespace and returns the names it bound that are plain data (the grader
-   sends them into the learner's kernel) and those that are not (deleted there);
-2. ``judge``: reads the probe's data with ``torch.load(weights_only=True)``
-   (tensors, numbers, strings, lists, dicts — no code can come through), binds it
-   over the inputs' names and runs the judge part: its exception, or none, is
-   the verdict.
+1. ``Inputs``: runs the cell's inputs part in a fresh copy of the setup namespace and
+   returns the names it bound that are plain data (the grader sends them into the
+   learner's kernel) and those that are not (deleted there);
+2. ``Judge``: reads the probe's data (:func:`load_answer`: ``torch.load(weights_only=True)``,
+   then every tensor checked and copied, within :data:`ELEMENT_LIMIT` elements), binds it
+   over the inputs' names and runs the judge part: its exception, or none, is the verdict.
 
-Protocol: one JSON line per request on stdin, one per answer on stdout (the
-process's own prints go to stderr). :class:`Judge` is the grader's side.
+It runs under a memory limit (``RLIMIT_AS``, :func:`limit_memory`) where no GPU is
+present. The messages are :mod:`mgpu_lab.course.protocol`'s; :class:`JudgeProcess` is
+the grader's side.
 """
 from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import re
-import select
 import subprocess
 import sys
+import traceback
 from time import monotonic
 from typing import Dict, List, Optional, Tuple
 
+from .protocol import Channel, Inputs, Judge, Reply, Setup, child_pipe
+
 MAGIC = re.compile(r"^\s*[%!].*$", re.M)     # IPython line magics and shell escapes
 PLAIN = "plain data (tensors, numbers, strings, lists, tuples, dicts)"
+ELEMENT_LIMIT = 2**24        # tensor elements in one graded cell's answer, all names together
+DEPTH_LIMIT = 32             # nesting of lists, tuples and dicts in an answer
+ITEM_LIMIT = 2**20           # values (containers, numbers, strings...) in an answer
+MEMORY_ENV = "MGPU_LAB_JUDGE_MEMORY"   # bytes of address space the judge may map
+VERDICT_LIMIT = 2000
 
 
 class JudgeError(RuntimeError):
     """The judge process failed or did not answer in time (the grader's fault, not the learner's)."""
+
+
+class NotPlainData(ValueError):
+    """An answer that is not plain data, or past the limits: the judge refuses it."""
 
 
 def dumps(value) -> Optional[str]:
@@ -59,103 +69,227 @@ def loads(data):
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
+# --- what an answer may be -------------------------------------------------------------
+
+def _dense_copy(t, budget: List[int]):
+    """A contiguous copy of a plain strided tensor whose storage holds every element
+    (a view with zero or overlapping strides, sized to make the judge allocate, is refused)."""
+    import torch
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise NotPlainData(f"a tensor of type {type(t).__name__}")
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        raise NotPlainData(f"a tensor of layout {t.layout}")
+    if t.dim() > 16:
+        raise NotPlainData(f"a tensor of {t.dim()} dimensions")
+    numel = t.numel()
+    budget[0] -= numel
+    if budget[0] < 0:
+        raise NotPlainData(f"more than {ELEMENT_LIMIT} tensor elements")
+    storage = t.untyped_storage().nbytes() // max(1, t.element_size())
+    reach = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    if numel and (min(t.stride(), default=0) < 0 or numel > storage or reach >= storage):
+        raise NotPlainData("a tensor view whose storage does not hold its elements")
+    copy = t.detach().clone(memory_format=torch.contiguous_format)
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(copy, requires_grad=t.requires_grad)
+    return copy.requires_grad_(t.requires_grad) if copy.is_floating_point() or copy.is_complex() else copy
+
+
+def checked(value, budget: Optional[List[int]] = None, depth: int = 0):
+    """``value`` with every tensor a dense copy (:func:`_dense_copy`); NotPlainData when
+    it holds anything else than numbers, strings, tensors and their containers, nests
+    deeper than :data:`DEPTH_LIMIT` or holds more than :data:`ITEM_LIMIT` values."""
+    import torch
+    budget = budget if budget is not None else [ELEMENT_LIMIT, ITEM_LIMIT]
+    budget[1] -= 1
+    if budget[1] < 0 or depth > DEPTH_LIMIT:
+        raise NotPlainData("nested too deep or too many values")
+    if isinstance(value, torch.Tensor):
+        return _dense_copy(value, budget)
+    if isinstance(value, bool) or value is None or isinstance(
+            value, (float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+                    torch.memory_format)):
+        return value
+    if isinstance(value, int):
+        if value.bit_length() > 1024:
+            raise NotPlainData("an integer of more than 1024 bits")
+        return value
+    if isinstance(value, torch.Size):
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [checked(v, budget, depth + 1) for v in value]
+        return items if type(value) is list else type(value)(items)
+    if isinstance(value, dict):
+        out = type(value)() if type(value) in (dict,) or _is_ordered(value) else {}
+        for k, v in value.items():
+            out[checked(k, budget, depth + 1)] = checked(v, budget, depth + 1)
+        return out
+    raise NotPlainData(f"a value of type {type(value).__name__}")
+
+
+def _is_ordered(value) -> bool:
+    from collections import OrderedDict
+    return type(value) is OrderedDict
+
+
+def load_answer(data):
+    """A probe's value: :func:`loads`, then :func:`checked`."""
+    return checked(loads(data))
+
+
+def limit_memory() -> None:
+    """Bound the judge's address space (``MGPU_LAB_JUDGE_MEMORY`` bytes) where no GPU is
+    present (CUDA reserves far more address space than it uses)."""
+    import glob
+    import resource
+    limit = int(os.environ.get(MEMORY_ENV, "0") or 0)
+    if limit > 0 and not glob.glob("/dev/nvidia*"):
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        except (ValueError, OSError):
+            pass
+
+
 # --- the judge process --------------------------------------------------------
 
 def _run(source: str, ns: dict, name: str) -> None:
     exec(compile(MAGIC.sub("", source), name, "exec"), ns)
 
 
-def _failure(err: BaseException, missing: List[str]) -> dict:
-    message = str(err)
+def _line(err: BaseException, name: str) -> Optional[int]:
+    """The line of the graded cell (compiled as ``name``) where ``err`` was raised."""
+    line = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        if frame.filename == name:
+            line = frame.lineno
+    return line
+
+
+def _failure(err: BaseException, missing: List[str], name: str) -> Reply:
+    """The verdict of a failed check. Only an ``AssertionError`` keeps its message (the
+    instructor's words); any other exception is named with its line of the graded cell:
+    its text may quote the learner's data."""
+    kind, line = type(err).__name__, _line(err, name)
     if isinstance(err, NameError) and getattr(err, "name", None) in missing:
-        message = (f"`{err.name}`, which the probe computes from your code, is not "
-                   f"{PLAIN}: the grader could not read it")
-    return {"ok": False, "error": type(err).__name__, "message": message[:2000]}
+        return Reply(False, kind, f"`{err.name}`, which the probe computes from your code, "
+                                  f"is not {PLAIN}: the grader could not read it", line)
+    if isinstance(err, AssertionError):
+        return Reply(False, kind, str(err)[:VERDICT_LIMIT], line)
+    return Reply(False, kind, "", line)
 
 
 def main() -> int:
-    proto_in = os.fdopen(os.dup(0), "r", encoding="utf-8")
-    proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    from .graded_cell import bound_names
+    pipe = child_pipe()
+    limit_memory()
     base = {"__name__": "__main__"}
-    spaces: Dict[str, Tuple[dict, List[str]]] = {}
+    return serve(pipe, base)
 
-    def reply(msg):
-        proto_out.write(json.dumps(msg) + "\n")
-        proto_out.flush()
 
-    for line in proto_in:
-        req = json.loads(line)
-        op = req["op"]
+def run_setup(cells: List[str], base: dict) -> Reply:
+    """Run the lab's setup cells into ``base``."""
+    try:
+        for i, src in enumerate(cells):
+            _run(src, base, f"<setup cell {i}>")
+        return Reply(True)
+    except BaseException as err:
+        return Reply(False, "JudgeError", f"Setup: {type(err).__name__}: {err}"[:VERDICT_LIMIT])
+
+
+def serve(pipe, base: dict) -> int:
+    """Answer requests until the pipe closes; ``base``: the setup namespace."""
+    from .graded_cell import bound_names
+    spaces: Dict[str, dict] = {}
+    for req in pipe:
         try:
-            if op == "setup":
-                for i, src in enumerate(req["cells"]):
-                    _run(src, base, f"<setup cell {i}>")
-                reply({"ok": True})
-            elif op == "inputs":
+            if isinstance(req, Setup):
+                pipe.send(run_setup(req.cells, base))
+            elif isinstance(req, Inputs):
                 ns = dict(base)
-                _run(req["source"], ns, f"<inputs of {req['id']}>")
+                _run(req.source, ns, f"<inputs of {req.id}>")
                 ship, drop = {}, []
-                for name in bound_names(req["source"]):
+                for name in bound_names(req.source):
                     data = dumps(ns[name]) if name in ns else None
                     if data is None:
                         drop.append(name)
                     else:
                         ship[name] = data
-                spaces[req["id"]] = (ns, [])
-                reply({"ok": True, "ship": ship, "drop": drop})
-            elif op == "judge":
-                ns, _ = spaces.pop(req["id"])
-                missing = list(req.get("missing", []))
+                spaces[req.id] = ns
+                pipe.send(Reply(True, ship=ship, drop=drop))
+            elif isinstance(req, Judge):
+                ns = spaces.pop(req.id)
+                missing = list(req.missing)
                 for name in missing:
                     ns.pop(name, None)
-                for name, data in req["answer"].items():
+                for name, data in req.answer.items():
                     try:
-                        ns[name] = loads(data)
+                        ns[name] = load_answer(data)
                     except Exception:
                         ns.pop(name, None)
                         missing.append(name)
+                name = f"<judge of {req.id}>"
                 try:
-                    _run(req["source"], ns, f"<judge of {req['id']}>")
-                    reply({"ok": True})
+                    _run(req.source, ns, name)
+                    pipe.send(Reply(True))
                 except BaseException as err:  # the verdict: any exception fails the check
-                    reply(_failure(err, missing))
+                    pipe.send(_failure(err, missing, name))
             else:
-                reply({"ok": False, "error": "JudgeError", "message": f"unknown op {op!r}"})
+                pipe.send(Reply(False, "JudgeError", f"unknown request {type(req).__name__}"))
         except BaseException as err:
-            reply({"ok": False, "error": "JudgeError",
-                   "message": f"{op}: {type(err).__name__}: {err}"[:2000]})
+            pipe.send(Reply(False, "JudgeError",
+                            f"{type(req).__name__}: {type(err).__name__}: {err}"[:VERDICT_LIMIT]))
     return 0
 
 
 # --- the grader's side --------------------------------------------------------
 
-class Lines:
-    """JSON lines from a pipe, each waited for until a deadline (a read may bring several)."""
+class JudgeClient:
+    """The grader's end of a judge: every request waits ``timeout`` seconds at most, then
+    the judge is killed and :class:`JudgeError` raised."""
 
-    def __init__(self, stream, limit: int = 2**28):
-        self.fd, self.buf, self.limit = stream.fileno(), b"", limit
+    timeout: float
+    channel: Channel
 
-    def next(self, deadline: float) -> Optional[str]:
-        """The next line, or None at the deadline, at the end of the pipe or past the limit."""
-        while b"\n" not in self.buf:
-            left = deadline - monotonic()
-            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
-                return None
-            chunk = os.read(self.fd, 1 << 20)
-            if not chunk or len(self.buf) > self.limit:
-                return None
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode("utf-8", "replace")
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _ask(self, what: str, req) -> Reply:
+        if not self.alive():
+            raise JudgeError("the judge process has ended")
+        try:
+            self.channel.send(req)
+            reply = self.channel.receive(monotonic() + self.timeout)
+        except (OSError, ValueError) as err:
+            self.close()
+            raise JudgeError(f"the judge's pipe failed during {what}: {err}") from None
+        if reply is None:
+            alive = self.alive() and not self.channel.ended
+            self.close()
+            raise JudgeError(f"the judge gave no answer to {what} within {self.timeout:g} s"
+                             if alive else f"the judge process died during {what}")
+        if reply.error == "JudgeError":
+            raise JudgeError(reply.message)
+        return reply
+
+    def setup(self, cells: List[str]) -> None:
+        self._ask("the setup cells", Setup(cells))
+
+    def inputs(self, grade_id: str, source: str) -> Tuple[Dict[str, str], List[str]]:
+        """``(names to send, as base64; names to delete in the kernel)``."""
+        reply = self._ask(f"{grade_id}'s inputs", Inputs(grade_id, source))
+        return reply.ship, reply.drop
+
+    def verdict(self, grade_id: str, source: str, answer: Dict[str, str],
+                missing: List[str]) -> Reply:
+        """The judge part's :class:`~mgpu_lab.course.protocol.Reply`: ``ok``, or the
+        exception's name, its line of the cell, and (an assertion's) message."""
+        return self._ask(f"{grade_id}'s judge", Judge(grade_id, source, answer, missing))
 
 
-class Judge:
-    """One judge process per graded notebook. Every request waits ``timeout`` seconds
-    at most, then the process is killed and :class:`JudgeError` raised."""
+class JudgeProcess(JudgeClient):
+    """A judge process of its own (one notebook's, or one that a pool could not fork)."""
 
     def __init__(self, env: dict, cwd: str, timeout: float):
         self.timeout = timeout
@@ -163,38 +297,10 @@ class Judge:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, cwd=cwd, env=env,
                                      start_new_session=True)
-        self.lines = Lines(self.proc.stdout)
+        self.channel = Channel(self.proc.stdin, self.proc.stdout)
 
-    def _ask(self, what: str, **req) -> dict:
-        if self.proc.poll() is not None:
-            raise JudgeError(f"the judge process has ended (exit {self.proc.returncode})")
-        self.proc.stdin.write((json.dumps(req) + "\n").encode())
-        self.proc.stdin.flush()
-        line = self.lines.next(monotonic() + self.timeout)
-        if line is None:
-            alive = self.proc.poll() is None
-            self.close()
-            raise JudgeError(f"the judge gave no answer to {what} within {self.timeout:g} s"
-                             if alive else f"the judge process died during {what}")
-        reply = json.loads(line)
-        if reply.get("error") == "JudgeError":
-            raise JudgeError(reply["message"])
-        return reply
-
-    def setup(self, cells: List[str]) -> None:
-        self._ask("the setup cells", op="setup", cells=cells)
-
-    def inputs(self, grade_id: str, source: str) -> Tuple[Dict[str, str], List[str]]:
-        """``(names to send, as base64; names to delete in the kernel)``."""
-        reply = self._ask(f"{grade_id}'s inputs", op="inputs", id=grade_id, source=source)
-        return reply["ship"], reply["drop"]
-
-    def verdict(self, grade_id: str, source: str, answer: Dict[str, str],
-                missing: List[str]) -> Tuple[Optional[str], str]:
-        """``(None, "")`` when the judge part passes, else ``(exception name, message)``."""
-        reply = self._ask(f"{grade_id}'s judge", op="judge", id=grade_id, source=source,
-                          answer=answer, missing=missing)
-        return (None, "") if reply["ok"] else (reply["error"], reply.get("message", ""))
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def close(self) -> None:
         if self.proc.poll() is None:

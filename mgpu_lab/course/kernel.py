@@ -25,15 +25,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from queue import Empty
 from time import monotonic
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 MAX_RESTARTS = 3
 CURRENT_ENV = "mgpu-lab-current-env"  # the kernel of this very Python
 TIMEOUT_REPLY = {"ename": "Timeout", "traceback": [],
                  "evalue": "the cell ran past its time limit and was interrupted"}
+# A traceback entry of IPython's for code of a cell: "Cell In[7], line 3" (ANSI colours
+# between the words). A graded cell run without history shows the count the next cell gets.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_CELL_FRAME = re.compile(r"^Cell In\[(\d+)\], line (\d+)")
 
 
 @dataclass
@@ -43,6 +48,19 @@ class CellResult:
     message: str = ""
     seconds: float = 0.0
     expected_error: bool = False    # tagged raises-exception
+    frames: List[Tuple[int, int]] = field(default_factory=list)  # (cell index, line), outermost first
+
+
+def cell_frames(traceback: List[str], counts: Dict[int, int]) -> List[Tuple[int, int]]:
+    """The frames of a kernel's traceback that are in notebook cells, as (cell index,
+    line); ``counts`` maps execution counts to cell indices (frames of code that is
+    not a cell, a library's or an ``exec``'d string's, are left out)."""
+    frames = []
+    for entry in traceback or []:
+        found = _CELL_FRAME.match(_ANSI.sub("", str(entry)).strip())
+        if found and int(found.group(1)) in counts:
+            frames.append((counts[int(found.group(1))], int(found.group(2))))
+    return frames
 
 
 def _kernel_manager():
@@ -111,6 +129,7 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
     from nbclient.util import ensure_async
 
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
+    counts: Dict[int, int] = {}      # this kernel's execution counts -> cell index
     deadline = monotonic() + total_timeout if total_timeout else float("inf")
     replies, results, skip = {}, {}, set()
 
@@ -127,19 +146,22 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
         cell = nb.cells[i]
         expected = "raises-exception" in cell.metadata.get("tags", [])
         graded = (cell.metadata.get("nbgrader") or {}).get("grade", False)
-        start = monotonic()
+        start, history = monotonic(), graded_history or not graded
         try:
             if first and before is not None:
                 await before(client, i, cell)
             start = monotonic()
-            await client.async_execute_cell(cell, i, store_history=graded_history or not graded)
+            await client.async_execute_cell(cell, i, store_history=history)
         except DeadKernelError:
             return CellResult(i, "DeadKernel", "the kernel died running this cell",
                               monotonic() - start, expected)
         content = (replies.pop(i, None) or {}).get("content", {})
         result = CellResult(i, seconds=monotonic() - start, expected_error=expected)
+        if isinstance(content.get("execution_count"), int):    # without history: the next one's
+            counts[content["execution_count"] + (0 if history else 1)] = i
         if content.get("status") == "error":
             result.error, result.message = content.get("ename"), content.get("evalue", "")
+            result.frames = cell_frames(content.get("traceback"), counts)
         elif content.get("status") != "ok":
             result.error, result.message = "NoReply", f"status {content.get('status')!r}"
         if first and after is not None:
@@ -152,6 +174,7 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
     pos, restarts = 0, 0
     while pos < len(code):
         client.km = state["km"] = _kernel_manager()
+        counts.clear()
         try:
             await client.async_start_new_kernel(stderr=subprocess.DEVNULL)
             await client.async_start_new_kernel_client()

@@ -10,7 +10,6 @@ learner the labs without a clone.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import List
 
@@ -71,13 +70,3 @@ def copy_labs(dest: Path, source=None) -> List[str]:
     for p in notebooks:
         (dest / p.name).write_bytes(p.read_bytes())
     return [p.name for p in notebooks]
-
-
-def _cmd_copy(args) -> int:
-    try:
-        names = copy_labs(args.dest, Path(args.root) / "labs" if args.root else None)
-    except (FileNotFoundError, FileExistsError) as err:
-        print(f"mgpu-lab labs copy: {err}", file=sys.stderr)
-        return 2
-    print(f"copied {len(names)} labs to {args.dest}: open them with `jupyter lab {args.dest}`")
-    return 0

@@ -17,28 +17,23 @@ grade, locked}``; :func:`check_notebook` says what is wrong with a solution.
 Every lab (and its solution) carries its lab id, the solution's file stem, in
 ``metadata.mgpu_lab.lab``: the grader knows a submission whatever its name.
 
-The course commands work on the checkout they are run in: ``labs/`` and
-``solutions/`` are found by walking up from the current folder (or ``--root``).
-The wheel ships the labs too (:mod:`.layout`), so that
-``mgpu-lab labs copy DIR`` gives a learner the labs without a clone.
-
-    mgpu-lab labs build [--check] [--root DIR] [--solutions DIR] [--labs DIR]
-    mgpu-lab labs execute [NOTEBOOK ...]
-    mgpu-lab labs copy DIR
+The commands that use it (``mgpu-lab labs build/execute/copy/check``) are in
+:mod:`.labs_command`.
 """
 from __future__ import annotations
 
 import copy
-import os
 import re
-import sys
 from pathlib import Path
 from typing import Iterable, List
 
 import nbformat
 
 from . import graded_cell
-from .layout import _cmd_copy, course_dir
+from .cells import ANSWER_KEY_TAG, graded_cells, lab_id, nbgrader_meta, tags
+
+__all__ = ["MarkerError", "strip_solution", "check_notebook", "make_lab", "build_labs",
+           "clean_outputs", "execute_notebook", "graded_cells", "lab_id", "nbgrader_meta"]
 
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
@@ -49,12 +44,6 @@ KERNEL_PATH = re.compile(r"(?:[A-Za-z]:)?[\w./\\~-]*ipykernel_\d+[/\\]\d+\.py")
 
 class MarkerError(ValueError):
     """A solution notebook's markers or nbgrader metadata are malformed."""
-
-
-def lab_id(nb):
-    """The lab a notebook belongs to (``metadata.mgpu_lab.lab``), or None."""
-    value = (nb.get("metadata", {}).get("mgpu_lab") or {}).get("lab")
-    return value if isinstance(value, str) and value else None
 
 
 def _replace_regions(source: str, begin: str, end: str, replacement) -> str:
@@ -96,16 +85,6 @@ def strip_solution(source: str, cell_type: str = "code") -> str:
     return _replace_regions(source, BEGIN_HIDDEN, END_HIDDEN, lambda indent: [])
 
 
-def nbgrader_meta(cell) -> dict:
-    return cell.get("metadata", {}).get("nbgrader", {}) or {}
-
-
-def graded_cells(nb) -> dict:
-    """``{grade_id: cell}`` for every graded test cell, in notebook order."""
-    return {nbgrader_meta(c)["grade_id"]: c for c in nb.cells
-            if nbgrader_meta(c).get("grade") and "grade_id" in nbgrader_meta(c)}
-
-
 def check_notebook(nb) -> None:
     """Raise :class:`MarkerError` when markers and metadata disagree."""
     seen = set()
@@ -138,11 +117,6 @@ def check_notebook(nb) -> None:
                               "(nbgrader metadata {'grade': true, 'points': N})")
 
 
-ANSWER_KEY_TAG = "answer-key"
-SETUP_TAG = "setup"    # also runs in the grader's judge process, before the checks
-DEMO_TAG = "demo"      # shows something; defines nothing a check needs: not run when graded
-
-
 def make_lab(solution, lab: str = None) -> nbformat.NotebookNode:
     """The lab notebook generated from a solution notebook (a new object).
 
@@ -155,7 +129,7 @@ def make_lab(solution, lab: str = None) -> nbformat.NotebookNode:
     if lab_name:
         lab.metadata.setdefault("mgpu_lab", {})["lab"] = lab_name
     lab.metadata.pop("widgets", None)  # saved widget state belongs to outputs
-    lab.cells = [c for c in lab.cells if ANSWER_KEY_TAG not in c.metadata.get("tags", [])]
+    lab.cells = [c for c in lab.cells if ANSWER_KEY_TAG not in tags(c)]
     for cell in lab.cells:
         cell.source = strip_solution(cell.source, cell.cell_type)
         cell.metadata.pop("execution", None)
@@ -242,72 +216,3 @@ def execute_notebook(path: Path, timeout: float = 600.0) -> List[str]:
     clean_outputs(nb)
     nbformat.write(nb, path)
     return failures
-
-
-def _cmd_build(args) -> int:
-    try:
-        args.solutions, args.labs = course_dir(args, "solutions"), course_dir(args, "labs")
-        stale = build_labs(args.solutions, args.labs, check=args.check, only=args.notebooks)
-    except (MarkerError, FileNotFoundError) as err:
-        print(f"mgpu-lab labs build: {err}", file=sys.stderr)
-        return 2
-    for item in stale:
-        print(f"{'stale' if args.check else 'written'}: {item}")
-    if args.check and stale:
-        print("labs/ is out of date: run `mgpu-lab labs build`", file=sys.stderr)
-        return 1
-    if not stale:
-        print(f"labs up to date ({args.labs})")
-    return 0
-
-
-def _cmd_execute(args) -> int:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as in CI: same numbers
-    if not args.notebooks:
-        try:
-            args.solutions = course_dir(args, "solutions")
-        except FileNotFoundError as err:
-            print(f"mgpu-lab labs execute: {err}", file=sys.stderr)
-            return 2
-    paths: Iterable[Path] = args.notebooks or sorted(Path(args.solutions).glob("*.ipynb"))
-    failures = []
-    for path in paths:
-        if not Path(path).is_file():
-            print(f"mgpu-lab labs execute: no such notebook {path}", file=sys.stderr)
-            return 2
-        failed = execute_notebook(Path(path), timeout=args.timeout)
-        note = f", {len(failed)} cell(s) failed" if failed else ""
-        print(f"{path}: executed, outputs stored{note}")
-        failures += failed
-    for line in failures:
-        print(f"FAILED {line}", file=sys.stderr)
-    return 1 if failures else 0
-
-
-def add_parser(subparsers) -> None:
-    labs = subparsers.add_parser("labs", help="build labs/ from solutions/, or re-execute them",
-                                 description=__doc__.split("\n\n")[0])
-    sub = labs.add_subparsers(dest="labs_command", metavar="ACTION")
-    sub.required = True
-    build = sub.add_parser("build", help="generate labs/ from solutions/")
-    build.add_argument("notebooks", nargs="*", metavar="SOLUTION",
-                       help="only these solution notebooks (default: all)")
-    build.add_argument("--check", action="store_true",
-                       help="write nothing; exit 1 when labs/ is stale")
-    build.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
-    build.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
-    build.add_argument("--labs", type=Path, help="default: ROOT/labs")
-    build.set_defaults(func=_cmd_build)
-    execute = sub.add_parser("execute", help="run solution notebooks in place and store outputs")
-    execute.add_argument("notebooks", nargs="*", type=Path,
-                         help="default: every notebook in --solutions")
-    execute.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
-    execute.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
-    execute.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
-    execute.set_defaults(func=_cmd_execute)
-    copy_ = sub.add_parser("copy", help="copy the lab notebooks into a folder, to work in")
-    copy_.add_argument("dest", type=Path, metavar="DIR")
-    copy_.add_argument("--root", type=Path, help="take ROOT/labs (default: this checkout's, "
-                       "else the labs installed with the package)")
-    copy_.set_defaults(func=_cmd_copy)
-

@@ -1,41 +1,30 @@
 """The grader's runner: executes one submission, inside the sandbox, over a pipe.
 
-    python -c COMMAND      (started by the grader, never by hand: ``COMMAND`` below)
+    python -c RUNNER_COMMAND      (started by the grader: :data:`.protocol.RUNNER_COMMAND`)
 
-The grader writes one JSON line (the submission with every graded cell's source
-left out, the limits, the "must not call" lists). Before each graded cell the
-runner asks ``{"need": index}``; the grader answers with the cell's *probe*
-part (:mod:`mgpu_lab.course.graded_cell`) and the check's inputs as plain data,
-which the runner loads into the kernel's namespace before the probe runs. After
-it, the runner saves the names the probe bound (``torch.save`` in the kernel)
-and sends them back, ``{"answer": index, "names": {...}}``: the grader's judge
-process reads them as plain data and decides. The sandbox never holds a judge,
-the instructor's notebook, or a graded cell before its turn. At the end: one
-line, ``{"results": [...], "violations": {...}}``. The kernel (a child of the
-runner) has neither end of the pipe; its output goes to stderr.
+It speaks :mod:`mgpu_lab.course.protocol`: the grader sends a ``Header`` (the
+submission with every graded cell's source left out, the limits, the "must not call"
+lists). Before each graded cell the runner sends ``Need``; the grader answers with a
+``Probe``: the cell's probe part (:mod:`mgpu_lab.course.graded_cell`) and the check's
+inputs as plain data, which the runner loads into the kernel's namespace before the
+probe runs. After it, the runner saves the names the probe bound (``torch.save`` in
+the kernel) and sends them back in an ``Answer``: the grader's judge process reads
+them as plain data and decides. The sandbox never holds a judge, the instructor's
+notebook, or a graded cell before its turn. At the end: ``Results``. The kernel (a
+child of the runner) has neither end of the pipe; its output goes to stderr.
 """
 from __future__ import annotations
 
-import ast
 import base64
-import json
 import os
 import shutil
 import sys
 import tempfile
 
-GUARD = '__import__("mgpu_lab.course.guard", fromlist=["guard"])'
-PLACEHOLDER = "# graded cell: the grader hands its source in when it runs"
+from . import guard
+from .protocol import ANSWER_LIMIT, Answer, Need, Outcome, Results, child_pipe
+
 MESSAGE_LIMIT = 2000
-# How the grader starts this module: ``python -c COMMAND``, which imports the runner
-# without running ``mgpu_lab/__init__.py``. That file imports torch (1.5 s of CPU per
-# graded notebook), which the runner never uses; the kernel imports the package itself.
-COMMAND = ("import runpy, sys, types, importlib.util; "
-           "package = types.ModuleType('mgpu_lab'); "
-           "package.__path__ = list(importlib.util.find_spec('mgpu_lab').submodule_search_locations); "
-           "sys.modules['mgpu_lab'] = package; "
-           "runpy.run_module('mgpu_lab.course.runner', run_name='__main__', alter_sys=True)")
-ANSWER_LIMIT = 64 * 2**20          # bytes of probe data per graded cell
 # Run silently in the kernel around a graded cell (no names left behind).
 LOAD = """def _mgpu_lab_io(ship, drop):
     import torch
@@ -113,25 +102,18 @@ def _kernel_pid(client):
 
 
 def main() -> int:
-    # Keep the protocol's ends to ourselves: the kernel inherits /dev/null and stderr.
-    proto_in = os.fdopen(os.dup(0), "r", encoding="utf-8")
-    proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    pipe = child_pipe()
     _protect()
-    header = json.loads(proto_in.readline())
+    header = pipe.receive()
 
     import nbformat
     from .kernel import run_notebook, silent
     from .sandbox import Limits, apply_rlimits
 
-    if header.get("sandboxed"):
-        apply_rlimits(Limits(**header["limits"]), header.get("cgroup", False))
-    nb = nbformat.reads(header["notebook"], as_version=4)
-    graded = {int(k): v for k, v in header["graded"].items()}
-    trusted = header.get("trusted", [])
+    if header.sandboxed:
+        apply_rlimits(Limits(**header.limits), header.cgroup)
+    nb = nbformat.reads(header.notebook, as_version=4)
+    graded, trusted = header.graded, header.trusted
     violations = {}
 
     io_dir = tempfile.mkdtemp(prefix="mgpu-lab-check-")
@@ -140,23 +122,20 @@ def main() -> int:
     async def before(client, index, cell):
         if index not in graded:
             return
-        proto_out.write(json.dumps({"need": index}) + "\n")
-        proto_out.flush()
-        msg = json.loads(proto_in.readline())
-        cell.source, collect[index] = msg["source"], msg["collect"]
+        pipe.send(Need(index))
+        probe = pipe.receive()
+        cell.source, collect[index] = probe.source, probe.collect
         ship = {}
-        for name, data in msg["ship"].items():
+        for name, data in probe.ship.items():
             ship[name] = os.path.join(io_dir, f"{index}-in-{name}.pt")
             with open(ship[name], "wb") as f:
                 f.write(base64.b64decode(data))
-        await silent(client, LOAD.format(ship=ship, drop=msg["drop"]))
-        forbidden = graded[index].get("forbidden") or []
-        if forbidden:
-            await silent(client, f"{GUARD}.install({forbidden!r}, {[cell.source] + trusted!r}, "
-                                 "get_ipython().user_ns, get_ipython().transform_cell)")
+        await silent(client, LOAD.format(ship=ship, drop=probe.drop))
+        if graded[index]:
+            await silent(client, guard.install_code(graded[index], [cell.source] + trusted))
 
     async def after(client, index, cell, result):
-        if header.get("sandboxed"):
+        if header.sandboxed:
             pid = _kernel_pid(client)
             if pid is not None and _reap(pid) and result.error != "DeadKernel":
                 # The kernel's dead children stay zombies (and count against the
@@ -164,18 +143,13 @@ def main() -> int:
                 await silent(client, WAIT_CHILDREN)
         if result.error in ("Timeout", "DeadKernel"):
             return
-        if index in graded and graded[index].get("forbidden"):
-            reply = await silent(client, "", {"v": f"{GUARD}.uninstall()"})
-            value = reply.get("user_expressions", {}).get("v", {})
-            try:
-                seen = ast.literal_eval(value.get("data", {}).get("text/plain", "[]"))
-            except (ValueError, SyntaxError):
-                seen = []
+        if index in graded and graded[index]:
+            reply = await silent(client, "", {"v": guard.UNINSTALL})
+            seen = guard.read_violations(reply, graded[index])
             if seen:
-                violations[index] = [str(v)[:200] for v in seen][:10]
+                violations[index] = seen
         if index in graded and result.error is None:
-            proto_out.write(json.dumps(await _answer(client, index, collect[index])) + "\n")
-            proto_out.flush()
+            pipe.send(await _answer(client, index, collect[index]))
 
     async def _answer(client, index, names):
         """The probe's names as plain-data bytes (base64); the rest listed as missing."""
@@ -192,16 +166,15 @@ def main() -> int:
             total += size
             with open(path, "rb") as f:
                 answer[name] = base64.b64encode(f.read()).decode("ascii")
-        return {"answer": index, "names": answer, "missing": missing}
+        return Answer(index, answer, missing)
 
-    results = run_notebook(nb, cwd=os.getcwd(), timeout=header["timeout"],
-                           total_timeout=header.get("total_timeout"), progress=False,
+    results = run_notebook(nb, cwd=os.getcwd(), timeout=header.timeout,
+                           total_timeout=header.total_timeout, progress=False,
                            before=before, after=after, graded_history=False)
     shutil.rmtree(io_dir, ignore_errors=True)
-    out = [{"index": r.index, "error": r.error, "message": (r.message or "")[:MESSAGE_LIMIT],
-            "seconds": round(r.seconds, 3)} for r in results]
-    proto_out.write(json.dumps({"results": out, "violations": violations}) + "\n")
-    proto_out.flush()
+    pipe.send(Results([Outcome(r.index, r.error, (r.message or "")[:MESSAGE_LIMIT],
+                               round(r.seconds, 3), [list(f) for f in r.frames][-20:])
+                       for r in results], violations))
     return 0
 
 

@@ -27,9 +27,13 @@ It is a list of patterns, not a proof: the README says what it does not catch.
 from __future__ import annotations
 
 import ast
-from typing import Dict, List
+from collections import ChainMap
+from typing import Dict, List, Mapping
 
-from .guard import _dotted, _parse, import_aliases
+from . import graded_cell
+from .cells import (exercise_of, given_sources, given_statements, graded_cells, learners_lines,
+                    nbgrader_meta, parse, statements, walk)
+from .cells import dotted, import_aliases
 
 ALLOWED_SETTINGS = ("torch.backends.",)
 MAGICS = {"run_line_magic", "run_cell_magic", "system", "getoutput"}
@@ -44,23 +48,22 @@ FRAME_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame", "gi_
                "__code__", "__globals__", "__closure__"}
 
 
-def _imported(node, aliases: Dict[str, str]):
+def _imported(node, aliases: Mapping[str, str]):
     """The dotted name of ``node`` when its root is an imported name, else None."""
     root = node
     while isinstance(root, (ast.Attribute, ast.Subscript, ast.Call)):
         root = root.func if isinstance(root, ast.Call) else root.value
     if not (isinstance(root, ast.Name) and root.id in aliases):
         return None
-    return _dotted(node, aliases) or aliases[root.id]
+    return dotted(node, aliases) or aliases[root.id]
 
 
-def findings(source: str, aliases: Dict[str, str]) -> List[str]:
+def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
     """What in ``source`` tampers with the kernel, one short phrase each (empty: nothing)."""
-    tree = _parse(source)
+    tree = parse(source)
     if tree is None:
         return []
-    aliases = dict(aliases, **import_aliases([source]))
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    aliases = ChainMap(import_aliases([tree]), aliases)
     found = []
 
     def flag(node, what):
@@ -71,7 +74,7 @@ def findings(source: str, aliases: Dict[str, str]) -> List[str]:
         if name and not name.startswith(ALLOWED_SETTINGS):
             flag(node, f"{verb} {name}")
 
-    for node in ast.walk(tree):
+    for node, parent in walk(tree):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             for t in targets:
@@ -80,7 +83,7 @@ def findings(source: str, aliases: Dict[str, str]) -> List[str]:
                         patched(sub, node, "replaces" if not isinstance(node, ast.Delete)
                                 else "deletes")
         elif isinstance(node, ast.Call):
-            func = _dotted(node.func, aliases) or ""
+            func = dotted(node.func, aliases) or ""
             if func in ("setattr", "delattr") and node.args:
                 patched(node.args[0], node, f"{func}() on")
             elif func in RUNS_STRINGS and not (
@@ -91,14 +94,12 @@ def findings(source: str, aliases: Dict[str, str]) -> List[str]:
                     and not isinstance(node.args[1], ast.Constant):
                 flag(node, f"getattr() of a computed name on {_imported(node.args[0], aliases)}")
             elif func in GET_IPYTHON:
-                parent = parents.get(node)
                 if not (isinstance(parent, ast.Attribute) and parent.attr in MAGICS):
                     flag(node, "reaches into IPython (get_ipython())")
         if isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS:
             flag(node, f"uses .{node.attr}")
-        if isinstance(node, (ast.Name, ast.Attribute)) and not isinstance(
-                parents.get(node), ast.Attribute):
-            name = _dotted(node, aliases) or ""
+        if isinstance(node, (ast.Name, ast.Attribute)) and not isinstance(parent, ast.Attribute):
+            name = dotted(node, aliases) or ""
             for bad, what in FORBIDDEN_NAMES.items():
                 if name == bad or name.startswith(bad + "."):
                     flag(node, what)
@@ -121,15 +122,14 @@ def _probe_uses(probe: str) -> set:
     return loads - bound - set(dir(builtins))
 
 
-def _global_reads(source: str) -> set:
-    """Names ``source`` reads without binding them itself, in any scope."""
+def _global_reads(tree) -> set:
+    """Names a parsed cell reads without binding them itself, in any scope."""
     import symtable
-    tree = _parse(source)
     if tree is None:
         return set()
     try:
         top = symtable.symtable(ast.unparse(tree), "<cell>", "exec")
-    except SyntaxError:
+    except (SyntaxError, RecursionError):
         return set()
     out, scopes = set(), [top]
     while scopes:
@@ -144,60 +144,66 @@ def _global_reads(source: str) -> set:
     return out
 
 
-def tampering(submission, instructor):
+def tampering(submission, instructor, given=None, check=lambda: None):
     """``[(where, what, grade_ids)]``: each finding in what the learner wrote (solution
     cells, and statements the lab did not give) with the graded cells it costs.
 
     A finding of :func:`findings` costs its exercise when it is in a solution cell,
     else the next exercise's below it (none: the notebook is marked, no exercise
     lost). Rebinding a name that a later check's probe uses costs that check; a
-    solution that reads a check's inputs as globals costs its exercise.
+    solution that reads a check's inputs as globals costs its exercise. Linear in the
+    notebook's size; ``check()`` is called as it goes (it raises when out of time).
     """
-    from . import graded_cell
-    from .notebooks import graded_cells, nbgrader_meta
-    from .submission import exercise_of, given_statements, learners_lines
     tests, exercise = graded_cells(instructor), exercise_of(instructor)
-    gids_of = {}
+    gids_of: Dict[str, list] = {}
     for gid, ex in exercise.items():
         gids_of.setdefault(ex, []).append(gid)
     parts = {gid: graded_cell.split(c.source) for gid, c in tests.items()}
     uses = {gid: _probe_uses(p.probe) for gid, p in parts.items()}
-    given_code = [c.source for c in instructor.cells if c.cell_type == "code"
-                  and not nbgrader_meta(c).get("solution") and not nbgrader_meta(c).get("grade")]
-    given_aliases = import_aliases(given_code)
+    given_aliases = import_aliases(parse(s) for s in given_sources(instructor))
     answers = {n for c in instructor.cells if nbgrader_meta(c).get("solution")
                and c.cell_type == "code" for n in graded_cell.bound_names(c.source)}
     inputs = {n for p in parts.values() for n in graded_cell.bound_names(p.inputs)}
     inputs -= set(given_aliases) | answers
-    given, cells = given_statements(instructor), submission.cells
-    aliases = import_aliases([c.source for c in cells if c.cell_type == "code"])
+    given = given_statements(instructor) if given is None else given
+    cells = submission.cells
+    trees = [parse(c.source) if c.cell_type == "code" else None for c in cells]
+    aliases = import_aliases(trees)
+    # The exercises below each cell, in order, each once (a copied exercise cell counts once).
+    below: List[List[str]] = [[] for _ in cells]
+    seen: List[str] = []
+    for pos in range(len(cells) - 1, -1, -1):
+        below[pos] = seen
+        gid = nbgrader_meta(cells[pos]).get("grade_id")
+        if gid is not None and gid in gids_of and gid not in seen:
+            seen = [gid] + seen
     out = []
-    for pos, cell in enumerate(cells):
+    for pos, (cell, tree) in enumerate(zip(cells, trees)):
+        check()
         meta = nbgrader_meta(cell)
         if cell.cell_type != "code" or meta.get("grade_id") in tests:
             continue
         own = meta.get("grade_id") if meta.get("solution") else None
-        lines = learners_lines(cell.source, given, whole=bool(own))
-        later = [nbgrader_meta(c).get("grade_id") for c in cells[pos + 1:]
-                 if nbgrader_meta(c).get("grade_id") in exercise.values()]
-        costs = gids_of.get(own) or next((gids_of[e] for e in later if e in gids_of), [])
+        lines = learners_lines(tree, given, whole=bool(own))
+        later = below[pos]
+        costs = gids_of.get(own) or (gids_of[later[0]] if later else [])
         where = f"cell {pos}" + (f" ({own})" if own else "")
         for what in findings(cell.source, aliases):
             if int(what.split(":")[0].split()[1]) in lines:
                 out.append((where, what, list(costs)))
-        tree = _parse(cell.source)
-        for stmt in tree.body if tree else []:
+        for stmt in statements(tree):
             if stmt.lineno not in lines:
                 continue
-            for name in graded_cell.bound_names(ast.unparse(stmt)):
-                same_import = (isinstance(stmt, (ast.Import, ast.ImportFrom)) and
-                               import_aliases([ast.unparse(stmt)]).get(name) == given_aliases.get(name))
+            same = import_aliases([stmt]) if isinstance(stmt, (ast.Import, ast.ImportFrom)) else {}
+            for name in graded_cell.names_bound(stmt):
+                same_import = (isinstance(stmt, (ast.Import, ast.ImportFrom))
+                               and same.get(name) == given_aliases.get(name))
                 hit = [g for e in [own] + later for g in gids_of.get(e, []) if name in uses[g]]
                 if hit and not same_import and name not in answers:
                     out.append((where, f"line {stmt.lineno}: rebinds `{name}`, which the checks "
                                        "use", hit))
         if own:
-            for name in sorted(_global_reads(cell.source) & inputs):
+            for name in sorted(_global_reads(tree) & inputs):
                 out.append((where, f"reads `{name}`, a name of a check's inputs, instead of its "
                                    "arguments", list(costs)))
     return out

@@ -21,7 +21,8 @@ from typing import List, Optional, Sequence
 import nbformat
 
 from .kernel import run_notebook
-from .notebooks import course_dir, nbgrader_meta
+from .cells import nbgrader_meta
+from .layout import course_dir
 
 
 @dataclass

@@ -1,0 +1,143 @@
+"""``mgpu-lab labs``: the commands of a lab's author and of a learner.
+
+    mgpu-lab labs build [--check] [SOLUTION ...]   labs/ generated from solutions/
+    mgpu-lab labs execute [NOTEBOOK ...]           run solutions in place, store outputs
+    mgpu-lab labs copy DIR                         the labs, to work in (no clone needed)
+    mgpu-lab labs check NN                         one lab, as CI checks it (the author's loop)
+
+They work on the checkout they are run in: ``labs/`` and ``solutions/`` are found by
+walking up from the current folder (or ``--root``; :mod:`.layout`). The notebooks'
+machinery is :mod:`.notebooks`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Iterable
+
+from .layout import copy_labs, course_dir, find_root
+from .notebooks import MarkerError, build_labs, execute_notebook
+
+
+def _cmd_build(args) -> int:
+    try:
+        args.solutions, args.labs = course_dir(args, "solutions"), course_dir(args, "labs")
+        stale = build_labs(args.solutions, args.labs, check=args.check, only=args.notebooks)
+    except (MarkerError, FileNotFoundError) as err:
+        print(f"mgpu-lab labs build: {err}", file=sys.stderr)
+        return 2
+    for item in stale:
+        print(f"{'stale' if args.check else 'written'}: {item}")
+    if args.check and stale:
+        print("labs/ is out of date: run `mgpu-lab labs build`", file=sys.stderr)
+        return 1
+    if not stale:
+        print(f"labs up to date ({args.labs})")
+    return 0
+
+
+def _cmd_execute(args) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as in CI: same numbers
+    if not args.notebooks:
+        try:
+            args.solutions = course_dir(args, "solutions")
+        except FileNotFoundError as err:
+            print(f"mgpu-lab labs execute: {err}", file=sys.stderr)
+            return 2
+    paths: Iterable[Path] = args.notebooks or sorted(Path(args.solutions).glob("*.ipynb"))
+    failures = []
+    for path in paths:
+        if not Path(path).is_file():
+            print(f"mgpu-lab labs execute: no such notebook {path}", file=sys.stderr)
+            return 2
+        failed = execute_notebook(Path(path), timeout=args.timeout)
+        note = f", {len(failed)} cell(s) failed" if failed else ""
+        print(f"{path}: executed, outputs stored{note}")
+        failures += failed
+    for line in failures:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _cmd_copy(args) -> int:
+    try:
+        names = copy_labs(args.dest, Path(args.root) / "labs" if args.root else None)
+    except (FileNotFoundError, FileExistsError) as err:
+        print(f"mgpu-lab labs copy: {err}", file=sys.stderr)
+        return 2
+    print(f"copied {len(names)} labs to {args.dest}: open them with `jupyter lab {args.dest}`")
+    return 0
+
+
+def check_command(root: Path, lab: str) -> list:
+    """The pytest command that checks one lab in the checkout ``root``: its nbval, and the
+    mutation run of its mutants with its untouched lab (0 points) and its whole solution
+    (full marks) graded too (``MGPU_LAB_MUTANTS_SOLUTION=1``), beside each other."""
+    return [sys.executable, "-m", "pytest", f"solutions/{lab}.ipynb", "tests/test_mutants.py",
+            "--nbval", "--nbval-current-env", "--nbval-cell-timeout=300",
+            "--nbval-sanitize-with", "solutions/sanitize.cfg", "-k", f"{lab} or three_mutants",
+            "-p", "no:cacheprovider", "-q"]
+
+
+def _cmd_check(args) -> int:
+    """``labs build --check`` for the lab, then :func:`check_command`; its exit status."""
+    import subprocess
+    from time import monotonic
+    try:
+        root = Path(args.root) if args.root else find_root()
+    except FileNotFoundError as err:
+        print(f"mgpu-lab labs check: {err}", file=sys.stderr)
+        return 2
+    found = [p for p in sorted((root / "solutions").glob("*.ipynb"))
+             if p.stem == args.lab or p.name.split("_")[0] == args.lab]
+    if len(found) != 1 or not (root / "tests" / "test_mutants.py").is_file():
+        print(f"mgpu-lab labs check: no single solution {args.lab!r} in {root / 'solutions'} "
+              "(or no tests/test_mutants.py: run it in the course checkout)", file=sys.stderr)
+        return 2
+    lab, start = found[0].stem, monotonic()
+    stale = build_labs(root / "solutions", root / "labs", check=True, only=[found[0].name])
+    if stale:
+        print(f"mgpu-lab labs check: labs/{lab}.ipynb is stale: run `mgpu-lab labs build` "
+              f"({', '.join(stale)})", file=sys.stderr)
+        return 1
+    env = dict(os.environ, MGPU_LAB_MUTANTS_SOLUTION="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    code = subprocess.call(check_command(root, lab), cwd=root, env=env)
+    print(f"mgpu-lab labs check {lab}: {'passed' if code == 0 else 'FAILED'} "
+          f"in {monotonic() - start:.0f} s")
+    return code
+
+
+def add_parser(subparsers) -> None:
+    labs = subparsers.add_parser("labs", help="build, execute, copy or check the labs",
+                                 description="build labs/ from solutions/, run them, copy them")
+    sub = labs.add_subparsers(dest="labs_command", metavar="ACTION")
+    sub.required = True
+    build = sub.add_parser("build", help="generate labs/ from solutions/")
+    build.add_argument("notebooks", nargs="*", metavar="SOLUTION",
+                       help="only these solution notebooks (default: all)")
+    build.add_argument("--check", action="store_true",
+                       help="write nothing; exit 1 when labs/ is stale")
+    build.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
+    build.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
+    build.add_argument("--labs", type=Path, help="default: ROOT/labs")
+    build.set_defaults(func=_cmd_build)
+    execute = sub.add_parser("execute", help="run solution notebooks in place and store outputs")
+    execute.add_argument("notebooks", nargs="*", type=Path,
+                         help="default: every notebook in --solutions")
+    execute.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
+    execute.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
+    execute.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
+    execute.set_defaults(func=_cmd_execute)
+    copy_ = sub.add_parser("copy", help="copy the lab notebooks into a folder, to work in")
+    copy_.add_argument("dest", type=Path, metavar="DIR")
+    copy_.add_argument("--root", type=Path, help="take ROOT/labs (default: this checkout's, "
+                       "else the labs installed with the package)")
+    copy_.set_defaults(func=_cmd_copy)
+    check = sub.add_parser("check", help="one lab as CI checks it: nbval, its solution (full "
+                           "marks), its untouched lab (0) and its mutants")
+    check.add_argument("lab", metavar="NN", help="the lab's number (00) or name (00_setup)")
+    check.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
+    check.set_defaults(func=_cmd_check)
+

@@ -1,0 +1,194 @@
+"""What an exercise scores, from the evidence the grader gathered: one pure function.
+
+The evidence about one graded cell comes from four places; the first that speaks
+decides (:data:`PRECEDENCE`):
+
+1. **Tampering**: the static pass found the learner's cells patching the kernel
+   (:mod:`mgpu_lab.course.tamper`);
+2. **ForbiddenCall**: the exercise called what it re-implements, by the static pass or
+   the run-time guard (:mod:`mgpu_lab.course.guard`; a courtesy message);
+3. **the kernel's error**: the probe, or the learner's code it called, raised (or the
+   cell timed out, the kernel died...);
+4. **the judge's verdict** on the probe's data (:mod:`mgpu_lab.course.judge`): an
+   exception, or none, which scores the points.
+
+A graded cell whose exercise was deleted with it scores 0, ``Missing``. Nothing here
+runs a kernel: ``tests/test_grader.py`` checks the table with made-up evidence.
+
+What a report may say about a failure is decided here too (:func:`kernel_error`,
+:func:`verdict_text`): never text the learner's code chose. An exception raised in
+the kernel is named by its type (a builtin's or the library's; any other class is
+"Exception") and the learner's line that raised it (cell and line of the learner's own
+notebook), never its message; only an assertion of the instructor's judge keeps its
+message.
+"""
+from __future__ import annotations
+
+import builtins
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Optional, Tuple
+
+PRECEDENCE = ("Tampering", "ForbiddenCall", "kernel error", "verdict")
+
+
+@dataclass
+class ExerciseScore:
+    grade_id: str
+    score: float
+    max_score: float
+    error: Optional[str] = None
+    message: str = ""
+    observed: str = ""        # what the check observes inside the kernel (not tamper-proof)
+
+
+@dataclass
+class NotebookGrade:
+    path: str
+    notebook: str
+    student: str = ""
+    lab: Optional[str] = None
+    exercises: List[ExerciseScore] = field(default_factory=list)
+    seconds: float = 0.0
+    error: Optional[str] = None            # the notebook could not be graded at all
+    notes: List[str] = field(default_factory=list)
+    sandboxed: bool = False
+    tampering: List[str] = field(default_factory=list)   # what the static pass flagged
+
+    @property
+    def score(self) -> float:
+        return sum(e.score for e in self.exercises)
+
+    @property
+    def max_score(self) -> float:
+        return sum(e.max_score for e in self.exercises)
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), score=self.score, max_score=self.max_score)
+
+
+@dataclass
+class Evidence:
+    """What the grader knows about one graded cell."""
+    missing: bool = False                  # the graded cell and its exercise were deleted
+    tampering: List[str] = field(default_factory=list)   # findings that cost this cell
+    calls: List[str] = field(default_factory=list)       # references it called
+    error: Optional[str] = None            # the kernel's: exception name, Timeout, NotRun...
+    message: str = ""                      # what may be said about it
+    judged: bool = False                   # the judge gave a verdict
+    verdict: Optional[str] = None          # the judge's exception name (None: passed)
+    verdict_message: str = ""
+
+
+def brief(message: str, limit: int = 200) -> str:
+    """One line for a report: the first line, and the last when there are more.
+
+    A ``LaunchError`` carries the failing rank's whole traceback; its last line
+    is the cause (``NotImplementedError``, ``AssertionError: ...``).
+    """
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    text = " ... ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def score(grade_id: str, points: float, evidence: Evidence, observed: str = "") -> ExerciseScore:
+    """The exercise's score: its points when no source of :data:`PRECEDENCE` objects."""
+    from .guard import message as forbidden_message
+    if evidence.missing:
+        error, message = "Missing", "the graded cell and its exercise were deleted"
+    elif evidence.tampering:
+        error, message = "Tampering", "; ".join(evidence.tampering)
+    elif evidence.calls:
+        error, message = "ForbiddenCall", forbidden_message(evidence.calls)
+    elif evidence.error:
+        error, message = evidence.error, evidence.message
+    elif evidence.judged:
+        error, message = evidence.verdict, evidence.verdict_message if evidence.verdict else ""
+    else:
+        error, message = "NotJudged", "the probe sent nothing"
+    return ExerciseScore(grade_id, 0.0 if error else float(points), float(points), error,
+                         brief(message or ""), observed)
+
+
+# --- what may be said about a failure ----------------------------------------------
+
+OURS = {   # failures the runner reports itself: our words, whatever the kernel said
+    "Timeout": "the cell ran past its time limit and was interrupted",
+    "DeadKernel": "the kernel died (or was killed) running this cell, or could not be restarted",
+    "TotalTimeout": "the notebook ran past its total time limit",
+    "NoReply": "the kernel sent no reply to this cell",
+    "NotRun": "the cell did not run",
+}
+KNOWN = ({n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
+          and issubclass(getattr(builtins, n), BaseException)}
+         | {"LaunchError", "CollectiveTimeout", "CollectiveError", "ForbiddenCall",
+            "OutOfMemoryError", "DistError", "DistBackendError", "DistNetworkError",
+            "DistStoreError", "UnsafeCheckpointError", "JudgeError"})
+_NOT_DEFINED = re.compile(r"^name '(\w+)' is not defined$")
+_ERRNO = re.compile(r"^\[Errno (\d{1,4})\]")
+_LAST_WORD = re.compile(r"^(\w+)(?::|$)")
+
+
+def exception_name(name: Optional[str]) -> str:
+    """``name`` when it is a builtin's or the library's exception, else ``Exception``
+    (a class the learner's code defined: its name is text the learner chose)."""
+    return name if name in KNOWN else "Exception"
+
+
+def kernel_error(error: str, message: str, frames: Iterable, cells: Dict[int, Tuple[int, int]],
+                 graded: Tuple[int, int], probe_names: Iterable[str]) -> Tuple[str, str]:
+    """``(error, message)`` a report may show for a failure in the kernel.
+
+    ``frames``: the traceback's (cell index, line), outermost first; ``cells``: the
+    learner's cells, ``{cell index: (index in the learner's notebook, lines)}``;
+    ``graded``: the graded cell's ``(index, lines)``; ``probe_names``: the names its
+    probe reads (a ``NameError`` for one of them keeps its standard message).
+    """
+    if error in OURS:
+        return error, OURS[error]
+    name, what = exception_name(error), []
+    if name == "LaunchError":
+        lines = [ln.strip() for ln in (message or "").strip().splitlines() if ln.strip()]
+        last = _LAST_WORD.match(lines[-1]) if lines else None
+        if last:
+            what.append(f"a rank raised {exception_name(last.group(1))}")
+    errno = _ERRNO.match(message or "")
+    if errno and issubclass(getattr(builtins, name, Exception), OSError):
+        what.append(f"[errno {errno.group(1)}: {os.strerror(int(errno.group(1)))}]")
+    where, line = _where(frames, cells, graded)
+    missing = _NOT_DEFINED.match(message or "")
+    if where == "probe" and name == "NameError" and missing and missing.group(1) in set(probe_names):
+        what.append(f"name '{missing.group(1)}' is not defined")
+    if where == "probe":
+        what.append(f"raised in the check's probe, line {line}")
+    elif where is not None:
+        what.append(f"raised at line {line} of cell {where} (your code)")
+    return name, "; ".join(what)
+
+
+def _where(frames, cells, graded):
+    """``(cell of the learner's notebook, line)`` of the innermost frame of the learner's
+    code, else ``("probe", line)`` for one in the check's probe, else ``(None, None)``."""
+    probe_line = None
+    for frame in reversed(list(frames or [])):
+        try:
+            index, line = int(frame[0]), int(frame[1])
+        except (TypeError, ValueError, IndexError):
+            continue
+        if index in cells and 1 <= line <= cells[index][1]:
+            return cells[index][0], line
+        if index == graded[0] and 1 <= line <= graded[1] and probe_line is None:
+            probe_line = line
+    return ("probe", probe_line) if probe_line is not None else (None, None)
+
+
+def verdict_text(error: Optional[str], message: str, line: Optional[int]) -> Tuple[Optional[str], str]:
+    """``(error, message)`` of the judge's verdict: an assertion (or an unreadable
+    answer) keeps the judge's message; any other exception is named with its line."""
+    if error is None:
+        return None, ""
+    if error in ("AssertionError", "JudgeError", "Settled") or (
+            error == "NameError" and (message or "").startswith("`")):
+        return error, message or ""
+    return exception_name(error), (f"raised by the check, line {line}" if line else "")

@@ -1,0 +1,218 @@
+"""One graded run of a submission: the runner in its sandbox, a judge beside it.
+
+:func:`run_prepared` starts the two processes and holds the conversation of
+:mod:`mgpu_lab.course.protocol` between them, in three parts:
+
+- :func:`runner_command`: how the runner starts (inside bubblewrap, or not), with
+  which environment and working folder;
+- :class:`Judges`: the judge process for this notebook, started again (its setup
+  cells re-run) when a step of it fails, which is the grader's failure, not the learner's;
+- :func:`converse`: the protocol loop: a ``Need`` gets the probe and the check's inputs
+  (or an empty probe for a cell already scored 0), an ``Answer`` gets its verdict, and
+  ``Results`` ends it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from time import monotonic
+from typing import Dict, List, Optional
+
+import nbformat
+
+from . import graded_cell
+from .cells import given_sources, graded_cells, setup_sources
+from .guard import forbidden_of
+from .judge import MEMORY_ENV, JudgeError, JudgeProcess
+from .protocol import RUNNER_COMMAND, Answer, Channel, Header, Need, Outcome, Probe, Results
+from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
+from .submission import Prepared
+
+JUDGE_TIMEOUT = 300.0   # seconds for each step of the judge process, at least
+JUDGE_EXTRA_GIB = 4.0   # address space torch, its threads and a launch() map beyond the data
+SETTLED = Probe("# scored 0 before it ran: see the report", {}, [], [])
+
+
+@dataclass
+class Verdict:
+    """The judge's word on one graded cell (``error`` None: passed)."""
+    error: Optional[str] = None
+    message: str = ""
+    line: Optional[int] = None
+
+
+@dataclass
+class RunOutcome:
+    results: Dict[int, Outcome] = field(default_factory=dict)     # by cell index
+    violations: Dict[int, List[str]] = field(default_factory=dict)
+    verdicts: Dict[int, Verdict] = field(default_factory=dict)
+
+
+def package_dir() -> Path:
+    import mgpu_lab
+    return Path(mgpu_lab.__file__).resolve().parent
+
+
+def runner_command(box: Sandbox, limits: Limits, scratch: str):
+    """``(argv, cwd, env, cleanup)`` of the runner: in bubblewrap when the box is
+    available (its scratch folder is the sandbox's), else in ``scratch/kernel``."""
+    package = package_dir()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
+           "PYTHONPATH": str(package.parent), "HOME": WORK if box.available else os.getcwd(),
+           "TMPDIR": "/tmp", "JUPYTER_RUNTIME_DIR": "/tmp/jupyter-runtime",
+           "IPYTHONDIR": "/tmp/ipython", "MPLCONFIGDIR": "/tmp/matplotlib",
+           "PYTHONDONTWRITEBYTECODE": "1", "JUPYTER_PLATFORM_DIRS": "1"}
+    for key in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MKL_NUM_THREADS"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    argv = [sys.executable, "-c", RUNNER_COMMAND]
+    if box.available:
+        argv, cleanup = command(box, argv, limits, package, env)
+        return argv, "/", env, cleanup
+    cwd = os.path.join(scratch, "kernel")
+    os.makedirs(cwd)
+    env = dict(os.environ, **{k: v for k, v in env.items() if k not in ("TMPDIR", "HOME")},
+               HOME=cwd)
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
+    for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
+        env[k] = os.path.join(cwd, "." + k.lower())
+    return argv, cwd, env, []
+
+
+def judge_environment(home: str, memory_gib: float = Limits.memory_gib) -> dict:
+    """The judge runs the instructor's code only: the grader's own environment, and an
+    address-space limit of the sandbox's memory plus what torch maps (:mod:`.judge`)."""
+    path = [str(package_dir().parent)] + ([os.environ["PYTHONPATH"]]
+                                          if os.environ.get("PYTHONPATH") else [])
+    env = dict(os.environ, MPLBACKEND="Agg", HOME=home, MPLCONFIGDIR=os.path.join(home, ".mpl"),
+               PYTHONPATH=os.pathsep.join(path))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env[MEMORY_ENV] = str(int((memory_gib + JUDGE_EXTRA_GIB) * 2**30))
+    return env
+
+
+class Judges:
+    """The notebook's judge (a fork of its lab's zygote when a :class:`JudgePool` is
+    given, else a process of its own); a failed step ends it and the next step gets a
+    fresh one, set up again."""
+
+    def __init__(self, setup: List[str], home: str, timeout: float, pool=None,
+                 memory_gib: float = Limits.memory_gib):
+        self.setup_cells, self.home, self.pool, self.memory = setup, home, pool, memory_gib
+        # The judge runs our code, not the learner's: its steps (an import of torch, a
+        # reference training run) get their own limit, not the learner's per-cell one.
+        self.timeout = max(timeout, JUDGE_TIMEOUT)
+        self.judge = self._new()
+
+    def _new(self):
+        if self.pool is not None:
+            return self.pool.judge(self.setup_cells, self.home)   # set up already
+        return JudgeProcess(judge_environment(self.home, self.memory), self.home, self.timeout)
+
+    def setup(self) -> None:
+        if self.pool is None:
+            self.judge.setup(self.setup_cells)
+
+    def ask(self, step: str, *args):
+        """``judge.step(*args)``; on :class:`JudgeError` a fresh judge, and the error raised."""
+        try:
+            return getattr(self.judge, step)(*args)
+        except JudgeError:
+            self.judge.close()
+            self.judge = self._new()
+            self.setup()
+            raise
+
+    def close(self) -> None:
+        self.judge.close()
+
+
+def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
+             settled, deadline: float, tail: list) -> RunOutcome:
+    """The protocol loop, until the runner's ``Results`` (RuntimeError when it ends without)."""
+    out = RunOutcome()
+    while True:
+        msg = channel.receive(deadline)
+        if msg is None:
+            raise RuntimeError("the runner gave no result" + (f": {tail[-1][-300:]}" if tail else ""))
+        if isinstance(msg, Need):
+            i = msg.index
+            if i in settled:
+                out.verdicts[i] = Verdict("Settled", "scored 0 by the static pass; not run")
+                channel.send(SETTLED)
+                continue
+            try:
+                ship, drop = judges.ask("inputs", prepared.graded[i], parts[i].inputs)
+            except JudgeError as err:       # the check itself failed: not the learner's
+                ship, drop, out.verdicts[i] = {}, [], Verdict("JudgeError", str(err))
+            channel.send(Probe(parts[i].probe, ship, drop, graded_cell.bound_names(parts[i].probe)))
+        elif isinstance(msg, Answer):
+            i = msg.index
+            if i in out.verdicts:
+                continue
+            try:
+                reply = judges.ask("verdict", prepared.graded[i], parts[i].judge, msg.names,
+                                   msg.missing)
+                out.verdicts[i] = Verdict(None if reply.ok else reply.error, reply.message,
+                                          reply.line)
+            except JudgeError as err:
+                out.verdicts[i] = Verdict("JudgeError", str(err))
+        elif isinstance(msg, Results):
+            out.results = {r.index: r for r in msg.results}
+            out.violations = msg.violations
+            return out
+
+
+def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
+                 timeout: float, total_timeout: Optional[float], settled=frozenset(),
+                 pool=None) -> RunOutcome:
+    """Run the submission in the runner (sandboxed when ``box.available``), each graded
+    cell's probe in its kernel and its judge here, in a judge process (forked from
+    ``pool``'s zygote of the lab, when given: :mod:`mgpu_lab.course.judge_pool`).
+
+    ``settled``: indices of graded cells already scored 0 by the static pass: their
+    probes are not run (an empty probe is sent in its place) and not judged; the
+    learner's cells around them still run.
+    """
+    tests = graded_cells(instructor)
+    parts = {i: graded_cell.split(tests[gid].source) for i, gid in prepared.graded.items()}
+    header = Header(nbformat.writes(prepared.nb), timeout, total_timeout, box.available,
+                    asdict(limits), bool(box.cgroup), given_sources(instructor),
+                    {i: forbidden_of(tests[gid]) for i, gid in prepared.graded.items()})
+    with tempfile.TemporaryDirectory(prefix="mgpu-lab-grade-") as scratch:
+        argv, cwd, env, cleanup = runner_command(box, limits, scratch)
+        home = os.path.join(scratch, "judge")
+        os.makedirs(home)
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
+        tail: list = []
+        threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
+        judges = None
+        try:
+            channel = Channel(proc.stdin, proc.stdout)
+            channel.send(header)
+            judges = Judges(setup_sources(instructor), home, timeout, pool, limits.memory_gib)
+            judges.setup()                                      # while the kernel starts
+            deadline = monotonic() + (total_timeout or 24 * 3600) + 60
+            return converse(channel, judges, prepared, parts, settled, deadline, tail)
+        finally:
+            if judges is not None:
+                judges.close()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            remove_cgroups(cleanup)
+
+
+def _drain(stream, tail: list, keep: int = 4096) -> None:
+    """Read the runner's stderr to its end, keeping only its last few KiB."""
+    buf = b""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        buf = (buf + chunk)[-keep:]
+        tail[:] = [buf.decode("utf-8", "replace")]
