@@ -97,6 +97,7 @@ from .parallel.pipeline import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     check_order,
     gpipe_order,
     held_microbatches,
@@ -129,6 +130,6 @@ __all__ = [
     "scatter_to_parallel_region", "scatter_to_sequence_parallel_region",
     "ParallelAttention", "ParallelMLP", "ParallelTransformerBlock", "TransformerBlock",
     "vocab_parallel_cross_entropy",
-    "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "check_order",
+    "PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "check_order",
     "gpipe_order", "held_microbatches", "one_f_one_b_order", "simulate_timeline", "bubble_fraction",
 ]
