@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from mgpu_lab import ParallelMLP, ParallelTransformerBlock, TransformerBlock, allreduce_bytes, launch, rank_device
+from mgpu_lab import ParallelMLP, ParallelTransformerBlock, allreduce_bytes, launch, rank_device
+from mgpu_lab.parallel.tensor_parallel_blocks import TransformerBlock
 from mgpu_lab.measure.collective_trace import collective_trace
 from mgpu_lab.measure.timing import Table, median_times, print_json
 

@@ -14,18 +14,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from mgpu_lab.parallel.rng_tracker import MODEL_PARALLEL, REPLICATED, RNGStatesTracker, model_parallel_rng
 from mgpu_lab import (
     ColumnParallelLinear,
     ParallelAttention,
     ParallelMLP,
     ParallelTransformerBlock,
     RowParallelLinear,
-    TransformerBlock,
     launch,
-    scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
+from mgpu_lab.parallel.rng_tracker import MODEL_PARALLEL, REPLICATED, RNGStatesTracker, model_parallel_rng
+from mgpu_lab.parallel.tensor_parallel import scatter_to_sequence_parallel_region
+from mgpu_lab.parallel.tensor_parallel_blocks import TransformerBlock
 
 B, S, H, HEADS = 2, 8, 16, 4  # 4 heads: 2 or 1 per rank on 2 and 4 ranks; S divisible by 4
 TOL = 2e-5
