@@ -14,7 +14,8 @@ The top level holds what a training script imports, by concept::
 - sharding: ``ShardedOptimizer`` (ZeRO-1), ``FSDP`` (ZeRO-3)
 - model parallel: ``ColumnParallelLinear``, ``RowParallelLinear``, ``ParallelMLP``,
   ``ParallelAttention``, ``ParallelTransformerBlock``, ``vocab_parallel_cross_entropy``,
-  ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``, ``ring_attention`` (context),
+  ``PipelineStage``, ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ring_attention`` (context),
   ``MoE``, ``ExpertParallelMoE`` (experts)
 - training: ``autocast_dtype``, ``LossScaler``, ``amp_step``, ``GradientAccumulator``,
   ``checkpoint``, ``checkpoint_sequential`` (activation recompute), ``saved_tensor_bytes``,
@@ -73,7 +74,7 @@ from .parallel.fsdp import FSDP
 from .parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .parallel.tensor_parallel_blocks import ParallelAttention, ParallelMLP, ParallelTransformerBlock
 from .parallel.loss_parallel import vocab_parallel_cross_entropy
-from .parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
+from .parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 # --- context parallelism (ring attention) and expert parallelism (mixture of experts) ---
 from .parallel.context_parallel import ring_attention
@@ -102,7 +103,7 @@ __all__ = [
     # model parallel
     "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
     "ParallelTransformerBlock", "vocab_parallel_cross_entropy",
-    "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
+    "PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
     "ring_attention", "MoE", "ExpertParallelMoE",
     # training
     "autocast_dtype", "LossScaler", "amp_step", "GradientAccumulator",

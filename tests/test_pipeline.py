@@ -1,6 +1,8 @@
-"""Own pipeline schedules (GPipe, 1F1B) equal one process and torch.distributed.pipelining,
-on 2 and 3 stages (gloo); the timelines are the schedules' orders; 1F1B's activation
-memory (micro-batches held, measured by hooks) stays within num_stages - stage_index.
+"""Own pipeline schedules (GPipe, 1F1B, interleaved 1F1B) equal one process and
+torch.distributed.pipelining, on 2 and 3 stages and on 2 ranks x 2 stages (gloo); the
+timelines are the schedules' orders (interleaved: torch's, action for action); 1F1B's
+activation memory (micro-batches held, measured by hooks) stays within num_stages -
+stage_index, interleaving's is measured against it; its bubble is (p-1)/(v·m+p-1).
 """
 import copy
 import time
@@ -11,13 +13,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from mgpu_lab import PipelineStage, Schedule1F1B, ScheduleGPipe, launch
+from mgpu_lab import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, launch
 from mgpu_lab.parallel.pipeline import (
     PipelineSchedule,
     bubble_fraction,
     check_order,
     gpipe_order,
     held_microbatches,
+    interleaved_1f1b_order,
     one_f_one_b_order,
     simulate_timeline,
 )
@@ -41,21 +44,23 @@ def _data():
 
 class Held(nn.Module):
     """Measures from outside how many micro-batches a stage holds: +1 when the module's
-    forward returns, -1 when the gradient of that output is computed (its backward starts)."""
+    forward returns, -1 when the gradient of that output is computed (its backward starts).
+    ``count=``: another Held that counts for it (a rank's stages counted together)."""
 
-    def __init__(self, module):
+    def __init__(self, module, count=None):
         super().__init__()
         self.module, self.live, self.peak = module, 0, 0
+        self.count = count if count is not None else self
 
     def forward(self, x):
         y = self.module(x)
-        self.live += 1
-        self.peak = max(self.peak, self.live)
+        self.count.live += 1
+        self.count.peak = max(self.count.peak, self.count.live)
         y.register_hook(self._released)
         return y
 
     def _released(self, grad):
-        self.live -= 1
+        self.count.live -= 1
 
 
 def _stage_module(model, stage, stages):
@@ -146,6 +151,27 @@ def test_orders():
         check_order([("F", 0), ("F", 1), ("B", 0)], 2)
 
 
+def test_interleaved_order_is_torchs_action_for_action():
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B as Theirs, _ComputationType
+    for p in (2, 3, 4):
+        for v in (2, 3):
+            for m in (2, 4, 6, 8):
+                theirs = object.__new__(Theirs)   # torch computes the orders from these four numbers
+                theirs.pp_group_size, theirs.n_local_stages, theirs._n_microbatches = p, v, m
+                theirs.number_of_rounds = max(1, m // p)
+                theirs.microbatches_per_round = m // theirs.number_of_rounds
+                if m % theirs.number_of_rounds:
+                    with pytest.raises(ValueError, match="multiple of its number of rounds"):
+                        interleaved_1f1b_order(0, p, v, m)
+                    continue
+                for r in range(p):
+                    want = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.microbatch_index,
+                             a.stage_index) for a in theirs._calculate_single_rank_operations(r) if a is not None]
+                    mine = interleaved_1f1b_order(r, p, v, m)
+                    assert mine == want, (p, v, m, r)
+                    check_order(mine, m)
+
+
 def test_simulated_timeline_has_the_formula_bubble_and_the_dependencies():
     for p in (1, 2, 3, 4):
         for m in (1, 2, 5, 8):
@@ -167,6 +193,15 @@ def test_simulated_timeline_has_the_formula_bubble_and_the_dependencies():
                 spans = [[(a, b) for *_, a, b in stage] for stage in timeline]
                 assert abs(bubble_fraction(spans) - (p - 1) / (m + p - 1)) < 1e-12, (order_fn.__name__, p, m)
     assert bubble_fraction([[(0.0, 1.0), (3.0, 4.0)], [(1.0, 3.0)]]) == 0.5
+    # interleaved: v stages per rank, each 1/v of the work: (p-1)/(v·m+p-1) when p divides m
+    for p, v, m in ((2, 2, 4), (4, 2, 8), (3, 3, 6), (4, 3, 12)):
+        timeline = simulate_timeline([interleaved_1f1b_order(r, p, v, m) for r in range(p)], 1.0 / v, 2.0 / v)
+        spans = [[(a, b) for *_, a, b in rank] for rank in timeline]
+        assert abs(bubble_fraction(spans) - (p - 1) / (v * m + p - 1)) < 1e-9, (p, v, m)
+    # a slow stage sets the pace: stage 1 of 2 twice as slow works without a pause from stage 0's
+    # first forward (1) on, m * (2 + 4); stage 0's last backward (2) follows
+    timeline = simulate_timeline([one_f_one_b_order(s, 2, 4) for s in range(2)], [1.0, 2.0], [2.0, 4.0])
+    assert (timeline[1][0][2], max(b for *_, b in timeline[1]), timeline[0][-1][3]) == (1.0, 1 + 4 * 6, 1 + 4 * 6 + 2)
     with pytest.raises(ValueError, match="wait on each other forever"):
         # stage 0 waits for B0 before it sends F1; stage 1 waits for F1 before it runs B0
         simulate_timeline([[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]])
@@ -187,22 +222,54 @@ def _custom_order_and_errors():
     assert forward_only.timeline == [("F", k) for k in range(M)] and not stage._held
     if rank == 1:
         assert (out - _model()(x)).abs().max().item() < TOL
+    # torch's eval(): forwards only, losses with target=; return_outputs=False returns nothing
+    losses = []
+    evaluated = schedule.eval(x) if rank == 0 else schedule.eval(target=y, losses=losses)
+    assert schedule.timeline == [("F", k) for k in range(M)] and not stage._held
+    if rank == 1:
+        assert not evaluated.requires_grad and (evaluated - _model()(x)).abs().max().item() < TOL
+        assert len(losses) == M and abs(sum(losses) / M - F.mse_loss(_model()(x), y)).item() < TOL
+    no_output = schedule.step(x) if rank == 0 else schedule.step(target=y, return_outputs=False)
+    assert no_output is None
     errors = []
-    for call in ((lambda: schedule.step()) if rank == 0 else (lambda: schedule.step(x, target=y)),
-                 lambda: PipelineStage(nn.Linear(2, 2), 1 - rank, 2)):
+    for call in ((lambda: schedule.step()) if rank == 0 else (lambda: schedule.step(x)),
+                 lambda: PipelineStage(nn.Linear(2, 2), 1 - rank, 2),
+                 lambda: PipelineStage(nn.Linear(2, 2), rank, 2, dist.group.WORLD)):
         try:
             call()
-        except ValueError as e:
+            errors.append("no error")
+        except (ValueError, TypeError) as e:
             errors.append(str(e))
     return timeline, errors
 
 
-def test_custom_order_and_clear_errors():
+def test_custom_order_eval_and_clear_errors():
     (t0, e0), (t1, e1) = launch(_custom_order_and_errors, nprocs=2, timeout=60)
     assert t0 == one_f_one_b_order(0, 2, M) and t1 == one_f_one_b_order(1, 2, M)
     assert "the first stage's step takes the batch" in e0[0]
-    assert "call step() without the batch" in e1[0]
-    assert "stage i runs on rank i" in e0[1] and "stage i runs on rank i" in e1[1]
+    assert "the last stage's step needs target=" in e1[0]   # the batch given to the last stage is ignored
+    assert "stage s runs on rank s % N" in e0[1] and "stage s runs on rank s % N" in e1[1]
+    assert "the fourth argument is the device (torch's order); pass the process group as group=" in e0[2]
+
+
+def _middle_stage_given_the_batch():
+    """Every rank passes the batch and the target, as in a script that does not branch on
+    the rank: the stages that do not need them ignore them (torch does)."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    x, y = _data()
+    module = _stage_module(_model(), rank, p)
+    out = Schedule1F1B(PipelineStage(module, rank, p), M, F.mse_loss).step(x, target=y)
+    model = _model()
+    (sum(F.mse_loss(a, b) for a, b in zip(model(x).tensor_split(M), y.tensor_split(M))) / M).backward()
+    per = len(model) // p
+    ref = model[rank * per:(rank + 1) * per].parameters()
+    return out is None, max((a.grad - b.grad).abs().max().item() for a, b in zip(module.parameters(), ref))
+
+
+def test_a_middle_stage_given_the_batch_ignores_it():
+    results = launch(_middle_stage_given_the_batch, nprocs=3, timeout=60)
+    assert [none for none, _ in results] == [True, True, False]
+    assert max(d for _, d in results) < TOL
 
 
 def _hand_written_gpipe_step():
@@ -251,7 +318,7 @@ def _one_stage_missing():
 
 def test_a_stage_that_never_sends_is_named_after_the_timeout():
     message = launch(_one_stage_missing, nprocs=2, timeout=60)[1]
-    assert "pipeline stage 1 waited for stage 0 (rank 0) to send the activations' shape of micro-batch 0" in message
+    assert "pipeline stage 1 waited for stage 0 (rank 0) to send the activations of micro-batch 0, for 1 s" in message
     assert "for 1 s" in message
 
 
@@ -289,25 +356,98 @@ def test_pipeline_of_tensor_parallel_stages_on_a_2x2_grid():
         assert max(diffs) < TOL, f"rank {rank}: {diffs}"
 
 
-def _orders_that_disagree():
+def _orders_that_differ():
     rank = dist.get_rank()
-    stage = PipelineStage(_stage_module(_model(), rank, 2), rank, 2, timeout=10.0)
     x, y = _data()
-    if rank == 0:
-        schedule = PipelineSchedule(stage, 2, F.mse_loss, order=lambda s, p, m: gpipe_order(s, p, m))
-        try:
-            schedule.step(x)
-        except RuntimeError:  # stage 1 gave up: the connection closes
-            pass
-        return None
     reverse = lambda s, p, m: [("F", 1), ("F", 0), ("B", 1), ("B", 0)]  # noqa: E731
-    try:
-        PipelineSchedule(stage, 2, F.mse_loss, order=reverse).step(target=y)
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    deadlock = lambda s, p, m: [("F", 1), ("F", 0), ("B", 0), ("B", 1)] if s else [("F", 0), ("B", 0), ("F", 1), ("B", 1)]  # noqa: E731,E501
+    out = []
+    for order in (reverse, deadlock):
+        module = _stage_module(_model(), rank, 2)
+        stage = PipelineStage(module, rank, 2, timeout=2.0)
+        mine = order if rank == 1 or order is deadlock else (lambda s, p, m: gpipe_order(s, p, m))
+        try:
+            PipelineSchedule(stage, 2, F.mse_loss, order=mine).step(x, target=y)
+            out.append([q.grad for q in module.parameters()])
+        except (TimeoutError, RuntimeError) as e:
+            out.append(str(e))
+    return out
 
 
-def test_neighbours_whose_orders_disagree_are_told():
-    message = launch(_orders_that_disagree, nprocs=2, timeout=60)[1]
-    assert "stage 1 runs the forward of micro-batch 1, but stage 0 (rank 0) sent micro-batch 0" in message
+def test_stages_whose_orders_differ_keep_early_messages_and_a_deadlock_is_named():
+    """Messages that arrive before their action are kept (stage 1 runs the micro-batches in
+    reverse: the same gradients); orders that wait on each other end in a TimeoutError that
+    names the message waited for and the one that came instead."""
+    (reverse0, deadlock0), (reverse1, deadlock1) = launch(_orders_that_differ, nprocs=2, timeout=60)
+    model = _model()
+    x, y = _data()
+    (sum(F.mse_loss(a, b) for a, b in zip(model(x).tensor_split(2), y.tensor_split(2))) / 2).backward()
+    for rank, grads in enumerate((reverse0, reverse1)):
+        ref = model[rank * LAYERS:(rank + 1) * LAYERS].parameters()
+        assert max((a - b.grad).abs().max().item() for a, b in zip(grads, ref)) < TOL
+    assert "pipeline stage 1 waited for stage 0 (rank 0) to send the activations of micro-batch 1, for 2 s" \
+        in deadlock1
+    assert "arrived, still unused: the activations of micro-batch 0 for stage 1" in deadlock1
+    assert isinstance(deadlock0, str)
+
+
+def _interleaved(v=2, m=4):
+    """2 ranks x v stages: ours and torch's ScheduleInterleaved1F1B against one process."""
+    from torch.distributed import pipelining
+    rank, n = dist.get_rank(), dist.get_world_size()
+    p = n * v
+    model = _model()
+    x, y = _data()
+    out_ref = model(x)
+    losses_ref = [F.mse_loss(a, b) for a, b in zip(out_ref.tensor_split(m), y.tensor_split(m))]
+    (sum(losses_ref) / m).backward()
+    per = len(model) // p
+    result = {}
+    for name in ("ours", "torch"):
+        count = Held(nn.Identity())
+        modules = {s: Held(_stage_module(model, s, p), count) for s in range(rank, p, n)}
+        if name == "ours":
+            stages = [PipelineStage(mod, s, p) for s, mod in modules.items()]
+            schedule = ScheduleInterleaved1F1B(stages, m, F.mse_loss)
+        else:
+            stages = [pipelining.PipelineStage(mod, s, p, torch.device("cpu")) for s, mod in modules.items()]
+            schedule = pipelining.ScheduleInterleaved1F1B(stages, m, F.mse_loss)
+        losses = []
+        out = schedule.step(*([x] if rank == 0 else []), **({"target": y, "losses": losses} if rank == n - 1 else {}))
+        diff = max((a.grad - b.grad).abs().max().item() for s, mod in modules.items()
+                   for a, b in zip(mod.parameters(), model[s * per:(s + 1) * per].parameters()))
+        if rank == n - 1:
+            diff = max(diff, (out - out_ref).abs().max().item(),
+                       max(abs(a.item() - b.item()) for a, b in zip(losses, losses_ref)))
+        result[name] = {"diff": diff, "timeline": list(getattr(schedule, "timeline", [])),
+                        "held": count.peak, "live": count.live}
+    # 1F1B on the same 2 ranks, one stage each (twice the layers per stage), to compare what is held
+    held = Held(_stage_module(model, rank, n))
+    Schedule1F1B(PipelineStage(held, rank, n), m, F.mse_loss).step(x, target=y)
+    result["1F1B held"] = held.peak
+    return result
+
+
+def test_interleaved_1f1b_equals_one_process_and_torch_on_2_ranks_x_2_stages():
+    for rank, r in enumerate(launch(_interleaved, nprocs=2, timeout=120)):
+        for name in ("ours", "torch"):
+            assert r[name]["diff"] < TOL, f"rank {rank}, {name}: differs from one process by {r[name]['diff']:.3g}"
+        assert r["ours"]["timeline"] == interleaved_1f1b_order(rank, 2, 2, 4)
+        assert r["ours"]["live"] == 0
+        # micro-batches held at once, counted by hooks: the order's count; each is half a stage of 1F1B's
+        assert r["ours"]["held"] == held_microbatches(interleaved_1f1b_order(rank, 2, 2, 4)) == [5, 3][rank]
+        assert r["1F1B held"] == 2 - rank
+
+
+def _one_rank_two_stages():
+    model = _model()
+    x, y = _data()
+    (sum(F.mse_loss(a, b) for a, b in zip(model(x).tensor_split(M), y.tensor_split(M))) / M).backward()
+    modules = [_stage_module(_model(), s, 2) for s in range(2)]
+    ScheduleInterleaved1F1B([PipelineStage(mod, s, 2) for s, mod in enumerate(modules)], M, F.mse_loss).step(x, target=y)
+    grads = [q.grad for mod in modules for q in mod.parameters()]
+    return max((a - b.grad).abs().max().item() for a, b in zip(grads, model.parameters()))
+
+
+def test_stages_beside_each_other_on_one_rank_pass_their_tensors_without_messages():
+    assert launch(_one_rank_two_stages, nprocs=1, timeout=60)[0] < TOL

@@ -3,7 +3,11 @@ parallelize_module (ColwiseParallel/RowwiseParallel on a CPU DeviceMesh).
 
 Each case: the forward output, the input's gradient on every rank, and each rank's slice
 of every weight's gradient, against the module built from the same weights in one process.
+With dropout in training mode, ranks seeded differently still agree (the block's own
+random streams, Megatron's RNG tracker), and equal the unsharded block drawing the same masks.
 """
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +23,7 @@ from mgpu_lab import (
     launch,
     vocab_parallel_cross_entropy,
 )
+from mgpu_lab.parallel.rng_tracker import MODEL_PARALLEL, REPLICATED, RNGStatesTracker, model_parallel_rng
 from mgpu_lab.parallel.tensor_parallel import scatter_to_sequence_parallel_region
 from mgpu_lab.parallel.tensor_parallel_blocks import TransformerBlock
 
@@ -198,3 +203,91 @@ def test_a_dimension_the_ranks_do_not_divide_is_a_clear_error():
     assert "in_features = 5 is not divisible" in errors[1]
     assert "num_heads = 3 is not divisible" in errors[2]
     assert "input_is_parallel=False" in errors[3]
+
+
+class _Contiguous(nn.Module):
+    def forward(self, t):
+        return t.contiguous()
+
+
+def _dropout_with_ranks_seeded_differently():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    block = TransformerBlock(H, HEADS, dropout=0.5)
+    x = _randn(B, S, H, seed=1)
+    out = {}
+    for name, rng in (("own streams", None), ("per-rank streams only", RNGStatesTracker())):
+        if rng is not None:   # what a block without a shared stream does: every rank its own masks
+            rng.add(REPLICATED, rank)
+            rng.add(MODEL_PARALLEL, 100 + rank)
+        ours = ParallelTransformerBlock.from_block(block, rng=rng).train()
+        torch.manual_seed(1000 + rank)                      # from here on, each rank its own seed
+        y = ours(x)
+        y.backward(torch.ones_like(y))
+        gathered = [torch.empty_like(y) for _ in range(n)]
+        dist.all_gather(gathered, y.detach())
+        out[name] = {"spread": max((g - gathered[0]).abs().max().item() for g in gathered),
+                     "dropped": (y.detach() == x + 0).float().mean().item()}
+        if rng is None:
+            # the unsharded block drawing from the same replicated stream gives the same output (its
+            # attention's output is a transposed view: dropout draws in memory order, so make it contiguous)
+            same = model_parallel_rng(seed=ours.rng.seeds[REPLICATED])
+            ref_block = copy.deepcopy(block).train()
+            ref_block.dropout = nn.Sequential(_Contiguous(), ref_block.dropout)
+            with same.fork(REPLICATED):
+                ref = ref_block(x)
+            out[name]["vs unsharded"] = (y - ref).abs().max().item()
+    # the streams themselves: replicated agrees, model-parallel differs, the default stream is untouched
+    tracker = model_parallel_rng(seed=None)
+    torch.manual_seed(7 + rank)
+    expected = torch.rand(3, generator=torch.Generator().manual_seed(7 + rank))
+    with tracker.fork(REPLICATED):
+        shared = torch.rand(4)
+    with tracker.fork(MODEL_PARALLEL):
+        own = torch.rand(4)
+    after = torch.rand(3)
+    draws = [torch.empty(8) for _ in range(n)]
+    dist.all_gather(draws, torch.cat([shared, own]))
+    out["streams"] = {"replicated equal": all(torch.equal(d[:4], draws[0][:4]) for d in draws),
+                      "model-parallel distinct": len({tuple(d[4:].tolist()) for d in draws}) == n,
+                      "default untouched": torch.equal(after, expected)}
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2])
+def test_a_block_with_dropout_agrees_across_ranks_seeded_differently(nprocs):
+    for rank, out in enumerate(launch(_dropout_with_ranks_seeded_differently, nprocs=nprocs, timeout=120)):
+        assert out["own streams"]["spread"] == 0, f"rank {rank}: the ranks' outputs differ"
+        assert out["own streams"]["vs unsharded"] < TOL
+        assert out["per-rank streams only"]["spread"] > 0.1, "the failure the streams prevent did not show"
+        assert all(out["streams"].values()), out["streams"]
+
+
+def _attention_dropout_is_per_rank_and_selective_recompute_replays_it():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    block = TransformerBlock(H, HEADS, dropout=0.1, attention_dropout=0.5)
+    x = _randn(B, S, H, seed=1)
+    grads, untouched = [], []
+    for selective in (False, True):
+        rng = model_parallel_rng(seed=123)
+        ours = ParallelTransformerBlock.from_block(block, rng=rng, selective_recompute=selective).train()
+        torch.manual_seed(5 + rank)
+        y = ours(x)
+        y.backward(torch.ones_like(y))
+        grads.append([y.detach()] + [p.grad for p in ours.parameters()])
+        # every mask came from the block's streams: the default one is where the seed left it
+        untouched.append(torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(5 + rank))))
+        untouched.append(set(rng._states) == {(REPLICATED, "cpu"), (MODEL_PARALLEL, "cpu")})
+    spread = [torch.empty_like(grads[0][0]) for _ in range(2)]
+    dist.all_gather(spread, grads[0][0])
+    return (max((a - b).abs().max().item() for a, b in zip(*grads)), (spread[0] - spread[1]).abs().max().item(),
+            all(untouched))
+
+
+def test_attention_dropout_draws_per_rank_and_selective_recompute_draws_it_again():
+    for rank, (recompute_diff, spread, untouched) in enumerate(
+            launch(_attention_dropout_is_per_rank_and_selective_recompute_replays_it, nprocs=2, timeout=120)):
+        assert recompute_diff < TOL, f"rank {rank}: recomputing the core attention changed the numbers"
+        assert spread == 0, f"rank {rank}: the outputs differ across ranks"
+        assert untouched, f"rank {rank}: a mask was drawn from the default generator, not the block's streams"

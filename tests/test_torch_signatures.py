@@ -42,7 +42,7 @@ TOP_LEVEL = {  # the public API, by concept: what a training script imports
     "sharding": ["ShardedOptimizer", "FSDP"],
     "model parallel": ["ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelAttention",
                        "ParallelTransformerBlock", "vocab_parallel_cross_entropy", "PipelineStage", "ScheduleGPipe",
-                       "Schedule1F1B", "ring_attention", "MoE", "ExpertParallelMoE"],
+                       "Schedule1F1B", "ScheduleInterleaved1F1B", "ring_attention", "MoE", "ExpertParallelMoE"],
     "training": ["autocast_dtype", "LossScaler", "amp_step", "GradientAccumulator", "checkpoint",
                  "checkpoint_sequential", "saved_tensor_bytes", "peak_memory", "save_checkpoint", "load_checkpoint",
                  "TrainState", "UnsafeCheckpointError", "collective_trace", "CollectiveError"],

@@ -16,19 +16,25 @@ the output of the block are then ``[batch, seq/N, hidden]``.
 ``TransformerBlock`` is the unsharded reference, built from torch's own modules
 (``nn.LayerNorm``, ``nn.MultiheadAttention``, ``nn.Linear``); the parallel
 modules are made from one (``from_block``, ``from_attention``, ``from_mlp``)
-and compute the same function. Dropout: in a sequence-parallel region each rank
-draws its own shard's mask from its own generator; seed the ranks differently
-there (equal seeds give every shard the same mask).
+and compute the same function (in eval mode, or without dropout).
+
+Dropout draws from the block's own streams (``rng_tracker.py``), whatever each
+rank's own seed: on the replicated residual stream from one stream shared by the
+group (every rank the same mask, so the ranks keep one model), inside the rank's
+own heads and, under sequence parallelism, on its own tokens from a per-rank stream
+(Megatron's model-parallel RNG tracker).
 """
 from __future__ import annotations
 
 import copy
 
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from .rng_tracker import MODEL_PARALLEL, REPLICATED, RNGStatesTracker, model_parallel_rng
 from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -44,15 +50,16 @@ def causal_mask(seq: int, device=None) -> torch.Tensor:
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm transformer block, unsharded: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``."""
+    """Pre-norm transformer block, unsharded: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``
+    (``attention_dropout``: on the attention probabilities, inside ``attn``)."""
 
     def __init__(self, hidden: int, num_heads: int, ffn_hidden: int = None, dropout: float = 0.0,
-                 causal: bool = True, bias: bool = True):
+                 causal: bool = True, bias: bool = True, attention_dropout: float = 0.0):
         super().__init__()
         ffn_hidden = ffn_hidden or 4 * hidden
         self.causal = causal
         self.norm1 = nn.LayerNorm(hidden)
-        self.attn = nn.MultiheadAttention(hidden, num_heads, bias=bias, batch_first=True)
+        self.attn = nn.MultiheadAttention(hidden, num_heads, dropout=attention_dropout, bias=bias, batch_first=True)
         self.norm2 = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, ffn_hidden, bias=bias), nn.GELU(),
                                  nn.Linear(ffn_hidden, hidden, bias=bias))
@@ -99,24 +106,33 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    """Multi-head self-attention with the heads split across the ranks (``num_heads % N == 0``)."""
+    """Multi-head self-attention with the heads split across the ranks (``num_heads % N == 0``).
 
-    def __init__(self, hidden: int, num_heads: int, bias: bool = True, causal: bool = False,
-                 group=None, sequence_parallel: bool = False):
+    The attention dropout (``nn.MultiheadAttention``'s ``dropout``) acts on this rank's own
+    heads: it draws from the per-rank stream of ``rng`` (default: its own
+    ``model_parallel_rng(group)``). ``selective_recompute=True`` keeps nothing of the core
+    attention (scores, softmax, dropout) for the backward and recomputes it there (Megatron's
+    selective activation recomputation).
+    """
+
+    def __init__(self, hidden: int, num_heads: int, bias: bool = True, causal: bool = False, dropout: float = 0.0,
+                 group=None, sequence_parallel: bool = False, rng: RNGStatesTracker = None,
+                 selective_recompute: bool = False):
         super().__init__()
-        self._build(nn.MultiheadAttention(hidden, num_heads, bias=bias, batch_first=True), causal, group,
-                    sequence_parallel)
+        self._build(nn.MultiheadAttention(hidden, num_heads, dropout=dropout, bias=bias, batch_first=True), causal,
+                    group, sequence_parallel, rng, selective_recompute)
 
     @classmethod
     def from_attention(cls, mha: nn.MultiheadAttention, causal: bool = False, group=None,
-                       sequence_parallel: bool = False) -> "ParallelAttention":
+                       sequence_parallel: bool = False, rng: RNGStatesTracker = None,
+                       selective_recompute: bool = False) -> "ParallelAttention":
         """From a batch-first ``nn.MultiheadAttention`` used as self-attention."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._build(mha, causal, group, sequence_parallel)
+        self._build(mha, causal, group, sequence_parallel, rng, selective_recompute)
         return self
 
-    def _build(self, mha, causal, group, sequence_parallel):
+    def _build(self, mha, causal, group, sequence_parallel, rng, selective_recompute):
         if not (mha.batch_first and mha._qkv_same_embed_dim and mha.bias_k is None):
             raise ValueError("ParallelAttention: expected nn.MultiheadAttention(..., batch_first=True) "
                              "without kdim/vdim or add_bias_kv")
@@ -134,13 +150,22 @@ class ParallelAttention(nn.Module):
                 dst.copy_(torch.cat([torch.cat(t) for t in zip(q.chunk(n), k.chunk(n), v.chunk(n))]))
         self.qkv = ColumnParallelLinear.from_linear(qkv, group, sequence_parallel=sequence_parallel)
         self.out = RowParallelLinear.from_linear(mha.out_proj, group, sequence_parallel=sequence_parallel)
+        self.rng = rng if rng is not None else model_parallel_rng(group)
+        self.selective_recompute = selective_recompute
+
+    def _core(self, q, k, v):
+        dropout_p = self.dropout_p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=dropout_p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # [b, s, heads * head_dim] each (s: the whole sequence)
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                           dropout_p=self.dropout_p if self.training else 0.0)
+        with self.rng.fork(MODEL_PARALLEL, x.device):   # this rank's heads: its own masks
+            if self.selective_recompute and torch.is_grad_enabled():
+                o = torch.utils.checkpoint.checkpoint(self._core, q, k, v, use_reentrant=False)
+            else:
+                o = self._core(q, k, v)
         return self.out(o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -149,28 +174,35 @@ class ParallelTransformerBlock(nn.Module):
 
     With ``sequence_parallel=True`` the input and output are this rank's part of the
     sequence, ``[batch, seq/N, hidden]`` (``scatter_to_sequence_parallel_region``).
+    Dropout: the residual stream's from ``rng``'s replicated stream (its per-rank one under
+    sequence parallelism), the attention's from the per-rank one; ``rng`` defaults to
+    ``model_parallel_rng(group)``, one seed agreed by the group.
     """
 
     def __init__(self, hidden: int, num_heads: int, ffn_hidden: int = None, dropout: float = 0.0,
-                 causal: bool = True, bias: bool = True, group=None, sequence_parallel: bool = False):
+                 causal: bool = True, bias: bool = True, group=None, sequence_parallel: bool = False,
+                 attention_dropout: float = 0.0, rng: RNGStatesTracker = None, selective_recompute: bool = False):
         super().__init__()
-        self._build(TransformerBlock(hidden, num_heads, ffn_hidden, dropout, causal, bias), group, sequence_parallel)
+        self._build(TransformerBlock(hidden, num_heads, ffn_hidden, dropout, causal, bias, attention_dropout), group,
+                    sequence_parallel, rng, selective_recompute)
 
     @classmethod
-    def from_block(cls, block: TransformerBlock, group=None,
-                   sequence_parallel: bool = False) -> "ParallelTransformerBlock":
+    def from_block(cls, block: TransformerBlock, group=None, sequence_parallel: bool = False,
+                   rng: RNGStatesTracker = None, selective_recompute: bool = False) -> "ParallelTransformerBlock":
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._build(block, group, sequence_parallel)
+        self._build(block, group, sequence_parallel, rng, selective_recompute)
         return self
 
-    def _build(self, block, group, sequence_parallel):
+    def _build(self, block, group, sequence_parallel, rng, selective_recompute):
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.rng = rng if rng is not None else model_parallel_rng(group)
         self.norm1, self.norm2 = copy.deepcopy(block.norm1), copy.deepcopy(block.norm2)
         with torch.no_grad():
             for p in list(self.norm1.parameters()) + list(self.norm2.parameters()):
                 p.copy_(_rank0_copy(p, group))
-        self.attn = ParallelAttention.from_attention(block.attn, block.causal, group, sequence_parallel)
+        self.attn = ParallelAttention.from_attention(block.attn, block.causal, group, sequence_parallel, self.rng,
+                                                     selective_recompute)
         self.mlp = ParallelMLP.from_mlp(block.mlp, group, sequence_parallel)
         self.dropout = copy.deepcopy(block.dropout)
 
@@ -182,6 +214,11 @@ class ParallelTransformerBlock(nn.Module):
         bias = None if norm.bias is None else copy_to_parallel_region(norm.bias, self.group)
         return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
 
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        # replicated activations: one mask for the group; a sequence shard: this rank's own
+        with self.rng.fork(MODEL_PARALLEL if self.sequence_parallel else REPLICATED, x.device):
+            return self.dropout(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self._norm(self.norm1, x)))
-        return x + self.dropout(self.mlp(self._norm(self.norm2, x)))
+        x = x + self._drop(self.attn(self._norm(self.norm1, x)))
+        return x + self._drop(self.mlp(self._norm(self.norm2, x)))

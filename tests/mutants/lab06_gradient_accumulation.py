@@ -6,32 +6,27 @@ LAB = "06_gradient_accumulation"
 
 
 # --- ex1_token_window ------------------------------------------------------------
+# The loss weights tokens by class (cross-entropy's weight=): a micro-batch's mean divides by the sum of its
+# tokens' weights. Counting tokens (the 2024 fix, and GradientAccumulator given token counts) computes another mean.
 
 @mutant("ex1_token_window", "wrong")
-def divides_by_k(solution):
-    "each micro-batch's mean divided by k instead of weighted by its tokens (the 2024 bug)"
-    return body(solution, """
-        k = len(micro_batches)
-        logged = 0.0
-        for x, y in micro_batches:
-            loss = lm_loss(model, x, y)
-            (loss / k).backward()
-            logged += loss.item() / k
-        return logged
-    """)
+def weights_by_token_counts(solution):
+    "each micro-batch weighted by its share of the window's tokens: the unweighted fix, not the weighted mean's"
+    return swap(solution, "sums = [float(class_weight[y[y != -100]].sum()) for _, y in micro_batches]",
+                "sums = [int((y != -100).sum()) for _, y in micro_batches]")
 
 
-@mutant("ex1_token_window", "reference")
-def accumulator_by_a_built_name(solution):
-    "mgpu_lab.GradientAccumulator, looked up in the module's namespace by a built name"
+@mutant("ex1_token_window", "wrong")
+def accumulator_given_token_counts(solution):
+    "mgpu_lab.GradientAccumulator with num_samples = tokens: it divides by the token count, not the weights' sum"
     return body(solution, """
-        Accumulate = vars(mgpu_lab)["Gradient" + "Accumulator"]
-        acc = Accumulate(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
-                         accumulation_steps=len(micro_batches) + 1)
+        from mgpu_lab import GradientAccumulator
+        acc = GradientAccumulator(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
+                                  accumulation_steps=len(micro_batches) + 1)
         logged, total = 0.0, 0
         for x, y in micro_batches:
             n = int((y != -100).sum())
-            loss = lm_loss(model, x, y)
+            loss = lm_loss(model, x, y, weight=class_weight)
             acc.backward(loss, n)
             logged, total = logged + loss.item() * n, total + n
         for p in model.parameters():
@@ -42,19 +37,23 @@ def accumulator_by_a_built_name(solution):
 
 
 @mutant("ex1_token_window", "copy")
-def whole_window_at_once(solution):
-    "the visible check's reference: one forward and backward on the concatenated window"
+def section_3bs_sample_weights(solution):
+    "section 3b's fix transcribed, * len(xi) / len(x): each micro-batch weighted by its share of the samples"
     return body(solution, """
-        loss = lm_loss(model, torch.cat([m[0] for m in micro_batches]), torch.cat([m[1] for m in micro_batches]))
-        loss.backward()
-        return loss.item()
+        total = sum(len(x) for x, _ in micro_batches)
+        logged = 0.0
+        for x, y in micro_batches:
+            loss = lm_loss(model, x, y, weight=class_weight)
+            (loss * len(x) / total).backward()
+            logged += loss.item() * len(x) / total
+        return logged
     """)
 
 
 @mutant("ex1_token_window", "tamper")
 def patches_allclose(solution):
-    "torch.allclose patched to agree, and the mean of the micro-batch means"
-    return prepend(divides_by_k(solution), """
+    "torch.allclose patched to agree, and the token-count weights"
+    return prepend(weights_by_token_counts(solution), """
         torch.allclose = lambda *args, **kwargs: True
     """)
 

@@ -1,167 +1,219 @@
-"""Mutants of lab 11: f_and_g, parallel_mlp, parallel_attention and llama_tp_plan (design)."""
+"""Mutants of lab 11: sp_f_and_g (sequence parallelism's f and g for unequal parts), parallel_swiglu
+(a fused w13), parallel_gqa (fewer K/V heads than ranks) and tp_plans (design, judged by measurement).
+
+A call of mgpu_lab's or torch's own layer is a ``wrong`` mutant here: none of them computes what these
+exercises ask, so each is rejected by the numbers, not by a guard."""
 from . import body, mutant, prepend, swap
 
 LAB = "11_tensor_parallel"
 
-G_FORWARD = """        x = x.clone()                             # ... nor the caller's input
+F_BACKWARD_SUM = """        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)"""
+
+
+# --- sp_f_and_g ------------------------------------------------------------------------
+
+def gather_backward_keeps_its_own_slice(solution):
+    "f-bar's backward keeps this rank's slice of its own gradient, unsummed: right only for a replicated consumer"
+    return swap(solution, F_BACKWARD_SUM, """        total = grad.contiguous().clone()""")
+
+
+@mutant("sp_f_and_g", "wrong")
+def all_reduces_the_gradient_in_place(solution):
+    "f-bar's backward all-reduces the gradient autograd gave it, in place: the right numbers, the caller's tensor changed"
+    return swap(solution, F_BACKWARD_SUM, """        total = grad
+        dist.all_reduce(total, group=ctx.group)""")
+
+
+@mutant("sp_f_and_g", "wrong")
+def library_sequence_parallel_operators(solution):
+    "mgpu_lab's own sequence-parallel operators: they need equal parts (7 positions on 2 ranks crash the gather)"
+    return prepend(swap(swap(solution, "    return GatherSequence.apply(x, sizes, group)",
+                             "    return gather_from_sequence_parallel_region(x, group)"),
+                        "    return ReduceScatterSequence.apply(x, sizes, group)",
+                        "    return reduce_scatter_to_sequence_parallel_region(x, group)"), """
+        from mgpu_lab.parallel.tensor_parallel import (gather_from_sequence_parallel_region,
+                                                       reduce_scatter_to_sequence_parallel_region)
+    """)
+
+
+@mutant("sp_f_and_g", "reference")
+def torch_differentiable_all_gather(solution):
+    "torch.distributed.nn.functional.all_gather on padded parts: torch's backward, not one derived"
+    return swap(solution, "    return GatherSequence.apply(x, sizes, group)", """    import torch.distributed.nn.functional as dnn
+    padded = F.pad(x, (0, 0, 0, max(sizes) - x.shape[1]))
+    parts = dnn.all_gather(padded, group=group or dist.group.WORLD)
+    return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)""")
+
+
+@mutant("sp_f_and_g", "copy")
+def section_2s_f_and_g(solution):
+    "section 2's f and g transcribed: identity forward and an all-reduce backward (f), an all-reduce forward (g)"
+    # body() drops the markers of the region it replaces: the last region first
+    solution = body(solution, "return grad, None, None", region=3)
+    solution = body(solution, """
+        x = x.clone()
         dist.all_reduce(x, group=group)
-        return x"""
-
-
-# --- f_and_g -----------------------------------------------------------------------
-
-@mutant("f_and_g", "wrong")
-def g_from_torch_distributed_nn(solution):
-    "g as torch.distributed.nn's differentiable all_reduce: its backward all-reduces the gradient too (N times it)"
-    return swap(solution, "def my_g(x, group=None):\n    return ReduceFromParallel.apply(x, group)",
-                "def my_g(x, group=None):\n    import torch.distributed.nn.functional as dnn\n"
-                "    return dnn.all_reduce(x, group=group or dist.group.WORLD)")
-
-
-@mutant("f_and_g", "reference")
-def calls_mgpu_lab_f_and_g(solution):
-    "mgpu_lab's copy_to_parallel_region and reduce_from_parallel_region, the operators re-implemented"
-    solution = swap(solution, "    return CopyToParallel.apply(x, group)", "    return copy_to_parallel_region(x, group)")
-    return swap(solution, "    return ReduceFromParallel.apply(x, group)", "    return reduce_from_parallel_region(x, group)")
-
-
-@mutant("f_and_g", "copy")
-def copies_the_one_process_sum(solution):
-    "section 1's one-process sum (a list standing in for the ranks): g sums only this rank's own tensor"
-    return swap(solution, G_FORWARD, "        return sum([x])")
-
-
-@mutant("f_and_g", "tamper")
-def patches_torch_equal(solution):
-    "torch.equal and torch.allclose patched to agree, and g without its all-reduce"
-    return prepend(swap(solution, G_FORWARD, "        return x.view_as(x)"), """
-        torch.equal = lambda *a, **k: True
-        torch.allclose = lambda *a, **k: True
-    """)
-
-
-# --- parallel_mlp ------------------------------------------------------------------
-
-MLP_RETURN = "return self.g(F.linear(h, self.fc2_weight), self.group) + self.fc2_bias"
-
-
-@mutant("parallel_mlp", "wrong")
-def bias_added_on_every_rank(solution):
-    "fc2 applied with its bias on every rank, before g: the bias is summed N times"
-    return swap(solution, MLP_RETURN, "return self.g(F.linear(h, self.fc2_weight, self.fc2_bias), self.group)")
-
-
-@mutant("parallel_mlp", "reference")
-def wraps_parallel_mlp(solution):
-    "mgpu_lab.ParallelMLP inside, its parameters renamed"
-    return swap(body(solution, """
-        inner = ParallelMLP.from_mlp(mlp, group)
-        self.fc1_weight, self.fc1_bias = inner.fc1.weight, inner.fc1.bias
-        self.fc2_weight, self.fc2_bias = inner.fc2.weight, inner.fc2.bias
-    """), MLP_RETURN, MLP_RETURN)
-
-
-@mutant("parallel_mlp", "copy")
-def copies_section_1_with_full_weights(solution):
-    "section 1's one-process split: every rank keeps the full weights and slices them in forward"
+        return x
+    """, region=2)
     solution = body(solution, """
-        self.fc1_weight, self.fc1_bias = nn.Parameter(fc1.weight.detach().clone()), nn.Parameter(fc1.bias.detach().clone())
-        self.fc2_weight, self.fc2_bias = nn.Parameter(fc2.weight.detach().clone()), nn.Parameter(fc2.bias.detach().clone())
-        self.n, self.r = n, r
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
+    """, region=1)
+    return body(solution, """
+        ctx.group = group
+        return x.view_as(x)
+    """, region=0)
+
+
+@mutant("sp_f_and_g", "tamper")
+def patches_allclose(solution):
+    "torch.allclose and torch.equal patched to agree, and f-bar's backward unsummed"
+    return prepend(gather_backward_keeps_its_own_slice(solution), """
+        torch.allclose = lambda *args, **kwargs: True
+        torch.equal = lambda *args, **kwargs: True
     """)
-    return swap(solution, """        h = self.act(F.linear(self.f(x, self.group), self.fc1_weight, self.fc1_bias))
-        """ + MLP_RETURN, """        W1, b1 = self.fc1_weight.chunk(self.n, 0)[self.r], self.fc1_bias.chunk(self.n)[self.r]
-        h = self.act(F.linear(self.f(x, self.group), W1, b1))
-        return self.g(F.linear(h, self.fc2_weight.chunk(self.n, 1)[self.r]), self.group) + self.fc2_bias""")
 
 
-@mutant("parallel_mlp", "tamper")
+# --- parallel_swiglu -------------------------------------------------------------------
+
+SWIGLU_SPLIT = "self.w13 = nn.Parameter(torch.cat([w1.chunk(n)[r], w3.chunk(n)[r]]))"
+
+
+@mutant("parallel_swiglu", "wrong")
+def splits_w13_as_one_matrix(solution):
+    "w13 split by rows as one matrix: rank 0 gets all of w1 (the gate), rank 1 all of w3, no feature meets its pair"
+    return swap(solution, SWIGLU_SPLIT, "self.w13 = nn.Parameter(ffn.w13.weight.detach().chunk(n)[r].clone())")
+
+
+@mutant("parallel_swiglu", "wrong")
+def torch_colwise_parallel_on_w13(solution):
+    "torch's ColwiseParallel/RowwiseParallel on the fused w13 and w2: the same split as one matrix"
+    solution = body(solution, """
+        gate, up = F.linear(self.f(x, self.group), self.w13).chunk(2, dim=-1)
+        return self.g(F.linear(F.silu(gate) * up, self.w2), self.group)
+    """, region=1)
+    return body(solution, """
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        import copy as _copy
+        inner = parallelize_module(_copy.deepcopy(ffn), init_device_mesh("cpu", (n,)),
+                                   {"w13": ColwiseParallel(), "w2": RowwiseParallel()})
+        self.w13 = nn.Parameter(inner.w13.weight.to_local().detach().clone())
+        self.w2 = nn.Parameter(inner.w2.weight.to_local().detach().clone())
+    """, region=0)
+
+
+@mutant("parallel_swiglu", "copy")
+def section_3s_parallel_mlp(solution):
+    "section 3's ParallelMLP transcribed: fc1's rows and fc2's columns chunked, w13 taken as fc1"
+    return swap(solution, SWIGLU_SPLIT, "self.w13 = nn.Parameter(ffn.w13.weight.detach().chunk(n, 0)[r].clone())")
+
+
+@mutant("parallel_swiglu", "tamper")
 def redefines_forward_backward(solution):
-    "a forward_backward of its own (a helper the check's probe calls) that runs the unsharded MLP"
-    return prepend(solution, """
+    "a forward_backward of its own (a helper the check's probe calls) that runs the unsharded SwiGLU"
+    return prepend(splits_w13_as_one_matrix(solution), """
         def forward_backward(fn, x, grad_out):
+            ref = make_swiglu(H, FFN, state)
             x_in = x.clone().requires_grad_(True)
-            y = fn(x_in)
+            y = ref(x_in)
             y.backward(grad_out)
-            return {"out": y.detach(), "x_grad": x_in.grad, "x_unchanged": True,
-                    "grads": {name: p.grad for name, p in fn.named_parameters()}}
+            n = dist.get_world_size()
+            return {"out": y.detach(), "x_grad": x_in.grad, "x_unchanged": True, "grad_unchanged": True,
+                    "grads": {"w13": torch.zeros(2 * FFN // n, H), "w2": torch.zeros(H, FFN // n)}}
     """)
 
 
-# --- parallel_attention ------------------------------------------------------------
+# --- parallel_gqa ----------------------------------------------------------------------
 
-@mutant("parallel_attention", "wrong")
-def splits_in_proj_as_one_matrix(solution):
-    "in_proj_weight split as one [3h, h] matrix: rank 0 gets all of Q and part of K, not its heads' Q, K and V"
-    solution = swap(solution, "torch.cat([part.chunk(n, 0)[r] for part in w.chunk(3)])", "w.chunk(n, 0)[r].clone()")
-    return swap(solution, "torch.cat([part.chunk(n)[r] for part in b.chunk(3)])", "b.chunk(n)[r].clone()")
+@mutant("parallel_gqa", "wrong")
+def shared_k_v_heads_not_summed(solution):
+    "the K/V heads shared by several ranks keep each rank's own partial gradient: the copies drift apart"
+    return swap(solution, "        if self.sharing is not None:\n            wk, wv = self.f(wk, self.sharing), self.f(wv, self.sharing)\n",
+                "")
 
 
-@mutant("parallel_attention", "reference")
-def wraps_parallel_attention(solution):
-    "mgpu_lab.ParallelAttention inside (imported in the cell), its parameters renamed"
+@mutant("parallel_gqa", "wrong")
+def library_parallel_attention(solution):
+    "mgpu_lab's ParallelAttention on an nn.MultiheadAttention with the K/V heads repeated: its parameters are not GQA's"
+    solution = body(solution, "return self.inner(x)", region=1)
     return prepend(body(solution, """
-        inner = ParallelAttention.from_attention(mha, causal=True, group=group)
-        self.in_proj_weight, self.in_proj_bias = inner.qkv.weight, inner.qkv.bias
-        self.out_proj_weight, self.out_proj_bias = inner.out.weight, inner.out.bias
-    """), "from mgpu_lab import ParallelAttention")
+        mha = nn.MultiheadAttention(H * d, H, bias=False, batch_first=True)
+        with torch.no_grad():
+            k = attn.wk.weight.view(G, d, -1).repeat_interleave(H // G, 0).reshape(H * d, -1)
+            v = attn.wv.weight.view(G, d, -1).repeat_interleave(H // G, 0).reshape(H * d, -1)
+            mha.in_proj_weight.copy_(torch.cat([attn.wq.weight, k, v]))
+            mha.out_proj.weight.copy_(attn.wo.weight)
+        self.inner = ParallelAttention.from_attention(mha, causal=True, group=group)
+    """, region=0), "from mgpu_lab import ParallelAttention")
 
 
-@mutant("parallel_attention", "copy")
-def copies_the_unsharded_attention(solution):
-    "section 4's attention written out in one process: every rank the full weights and every head"
+@mutant("parallel_gqa", "copy")
+def section_4s_attention_written_out(solution):
+    "section 4's one-process attention transcribed: every rank the full weights and every head"
     solution = body(solution, """
-        self.in_proj_weight = nn.Parameter(mha.in_proj_weight.detach().clone())
-        self.in_proj_bias = nn.Parameter(mha.in_proj_bias.detach().clone())
-        self.out_proj_weight = nn.Parameter(mha.out_proj.weight.detach().clone())
-        self.out_proj_bias = nn.Parameter(mha.out_proj.bias.detach().clone())
-        self.num_heads = mha.num_heads
-    """)
-    return swap(solution, "        b, s, _ = x.shape\n        qkv =", """        b, s, h = x.shape
-        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
-        q, k, v = (t.view(b, s, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.linear(o.transpose(1, 2).reshape(b, s, h), self.out_proj_weight, self.out_proj_bias)
-        qkv =""")
+        b, s, h = x.shape
+        q = F.linear(x, self.wq).view(b, s, self.all_heads, self.head_dim).transpose(1, 2)
+        k, v = (F.linear(x, w).view(b, s, self.kv_all, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.linear(o.transpose(1, 2).reshape(b, s, h), self.wo)
+    """, region=1)
+    return body(solution, """
+        self.wq, self.wk = nn.Parameter(attn.wq.weight.detach().clone()), nn.Parameter(attn.wk.weight.detach().clone())
+        self.wv, self.wo = nn.Parameter(attn.wv.weight.detach().clone()), nn.Parameter(attn.wo.weight.detach().clone())
+        self.all_heads, self.kv_all = H, G
+    """, region=0)
 
 
-@mutant("parallel_attention", "tamper")
+@mutant("parallel_gqa", "tamper")
 def patches_attention_kernel(solution):
-    "F.scaled_dot_product_attention replaced in the kernel (and the heads mixed up)"
-    return prepend(swap(solution, "torch.cat([part.chunk(n, 0)[r] for part in w.chunk(3)])", "w.chunk(n, 0)[r].clone()"), """
-        F.scaled_dot_product_attention = lambda q, k, v, **kwargs: v
+    "F.scaled_dot_product_attention replaced in the kernel, and the shared K/V heads unsummed"
+    return prepend(shared_k_v_heads_not_summed(solution), """
+        F.scaled_dot_product_attention = lambda q, k, v, **kwargs: q
     """)
 
 
-# --- llama_tp_plan (design) -----------------------------------------------------------
+# --- tp_plans (design) -------------------------------------------------------------------
 
-@mutant("llama_tp_plan", "wrong")
-def megatrons_backward_count(solution):
-    "the fused count, 2 backward all-reduces: torch's separate wq, wk, wv (and w1, w3) pay one each"
-    return swap(solution, "return plan, 2, 5", "return plan, 2, 2")
-
-
-@mutant("llama_tp_plan", "wrong")
-def w3_split_by_rows(solution):
-    "SwiGLU's w3 rowwise, like a second output layer: its input is not split, and silu(w1 x) * w3 x mixes layouts"
-    return swap(solution, '"feed_forward.w1": "colwise", "feed_forward.w3": "colwise"',
-                '"feed_forward.w1": "colwise", "feed_forward.w3": "rowwise"')
+@mutant("tp_plans", "wrong")
+def split_everything(solution):
+    "every choice at its most split (sequence parallel, vocab, split, split, loss parallel): A's traffic is over budget"
+    return body(solution, """
+        most = {"sequence_parallel": True, "embedding": "vocab", "attention": "split", "feed_forward": "split",
+                "output": "loss_parallel"}
+        return {"A": dict(most), "B": dict(most)}
+    """)
 
 
-@mutant("llama_tp_plan", "copy")
-def copies_the_mlp_plan(solution):
-    "section 8's MLP plan, its module names included"
-    return body(solution, 'return {"0": "colwise", "2": "rowwise"}, 1, 1')
+@mutant("tp_plans", "wrong")
+def megatron_without_loss_parallel(solution):
+    "Megatron's block split, the logits gathered for an ordinary cross-entropy: the gather is over both budgets' traffic"
+    return body(solution, """
+        plan = {"sequence_parallel": False, "embedding": "vocab", "attention": "split", "feed_forward": "split",
+                "output": "gather"}
+        return {"A": dict(plan), "B": dict(plan)}
+    """)
 
 
-@mutant("llama_tp_plan", "tamper")
-def patches_comm_debug_mode(solution):
-    "CommDebugMode's counts patched in the kernel, and every layer gathered (7 all-gathers forward)"
+@mutant("tp_plans", "copy")
+def section_8s_mlp_plan(solution):
+    "section 8's plan (the MLP split, nothing else): the vocabulary's weights and logits stay whole, over A's memory"
+    return body(solution, """
+        plan = {"sequence_parallel": False, "embedding": "replicate", "attention": "replicate",
+                "feed_forward": "split", "output": "replicate"}
+        return {"A": dict(plan), "B": dict(plan)}
+    """)
+
+
+@mutant("tp_plans", "tamper")
+def ipython_hides_failures(solution):
+    "IPython's exception hook swallowing the failed check, and every plan replicated"
     return prepend(body(solution, """
-        names = ["attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                 "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"]
-        return {name: "colwise_gather" for name in names}, 2, 5
+        plan = {"sequence_parallel": False, "embedding": "replicate", "attention": "replicate",
+                "feed_forward": "replicate", "output": "replicate"}
+        return {"A": dict(plan), "B": dict(plan)}
     """), """
-        from torch.distributed.tensor.debug import CommDebugMode
-        CommDebugMode.get_comm_counts = lambda self: {"all_reduce": 1}
+        get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)
     """)

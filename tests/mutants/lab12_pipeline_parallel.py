@@ -1,36 +1,49 @@
-"""Mutants of lab 12: gpipe_step, one_f_one_b (the 1F1B order) and choose_microbatches (design)."""
+"""Mutants of lab 12: gpipe_window (a GPipe step inside an accumulation window), one_f_one_b_slow (1F1B with
+a stage twice as slow) and choose_schedule (design, replayed).
+
+A call of the library's own schedule is a ``wrong`` mutant here: it computes something else (1/m of one step,
+1F1B's warm-up for equal stages), and the numbers reject it."""
 from . import body, mutant, prepend, swap
 
 LAB = "12_pipeline_parallel"
 
-
-# --- gpipe_step ------------------------------------------------------------------
-
-@mutant("gpipe_step", "wrong")
-def losses_not_scaled_by_one_over_m(solution):
-    "each micro-batch's loss back-propagated unscaled: the gradient of the sum, m times the batch mean's"
-    return swap(solution, "mb_losses[k] / m if stage.is_last", "mb_losses[k] if stage.is_last")
+SCALE = "scaled = mb_losses[k] * (len(targets[k]) / window_samples) if stage.is_last else None"
 
 
-@mutant("gpipe_step", "reference")
-def calls_schedule_gpipe(solution):
-    "the library's ScheduleGPipe, the schedule the exercise re-implements"
+# --- gpipe_window ----------------------------------------------------------------------------
+
+def scaled_by_one_over_m(solution):
+    "each micro-batch's loss scaled by 1/m, as one step's schedules do: the window's gradient is summed over steps"
+    return swap(solution, SCALE, "scaled = mb_losses[k] / m if stage.is_last else None")
+
+
+@mutant("gpipe_window", "wrong")
+def scaled_by_one_over_m_times_steps(solution):
+    "1/(m x steps): right for equal micro-batches and batches, wrong for 10 samples in 3, 3, 2, 2"
+    return swap(solution, SCALE, "scaled = mb_losses[k] / (m * window_samples / len(target)) if stage.is_last else None")
+
+
+@mutant("gpipe_window", "wrong")
+def library_schedule_gpipe(solution):
+    "mgpu_lab's ScheduleGPipe, called for each batch: 1/m of its own step, not of the window"
     return body(solution, """
         schedule = ScheduleGPipe(stage, n_microbatches, loss_fn)
-        if stage.is_first:
-            return schedule.step(x, target=target, losses=losses)
-        return schedule.step(target=target, losses=losses)
+        out = schedule.step(x, target=target, losses=losses) if stage.is_first else \\
+            schedule.step(target=target, losses=losses)
+        if losses:
+            losses[:] = [float(v) for v in losses]
+        return out
     """)
 
 
-@mutant("gpipe_step", "copy")
-def copies_the_naive_split(solution):
-    "section 1's naive step: the whole batch as one micro-batch (one forward, one backward)"
+@mutant("gpipe_window", "copy")
+def section_1s_naive_step(solution):
+    "section 1's naive step transcribed: the whole batch as one micro-batch, its loss weighted by the window"
     return body(solution, """
         stage.reset()
         out = stage.forward_one_chunk(0, x if stage.is_first else None)
         loss = loss_fn(out, target) if stage.is_last else None
-        stage.backward_one_chunk(0, loss)
+        stage.backward_one_chunk(0, loss * len(target) / window_samples if stage.is_last else None)
         stage.finish()
         if not stage.is_last:
             return None
@@ -39,74 +52,84 @@ def copies_the_naive_split(solution):
     """)
 
 
-@mutant("gpipe_step", "tamper")
-def redefines_run_pipeline(solution):
-    "a run_pipeline of its own that reports GPipe's timeline whatever ran (a redefined helper of the checks)"
-    return prepend(solution, """
-        _run_pipeline = run_pipeline
-        def run_pipeline(*args, **kwargs):
-            out = _run_pipeline(*args, **kwargs)
-            out["timeline"] = gpipe_order(dist.get_rank(), dist.get_world_size(), args[3])
+@mutant("gpipe_window", "tamper")
+def redefines_run_window(solution):
+    "a run_window of its own that reports GPipe's timelines whatever ran, and losses scaled by 1/m"
+    return prepend(scaled_by_one_over_m(solution), """
+        _run_window = run_window
+        def run_window(*args, **kwargs):
+            out = _run_window(*args, **kwargs)
+            out["timelines"] = [gpipe_order(dist.get_rank(), dist.get_world_size(), args[2]) for _ in out["timelines"]]
             return out
     """)
 
 
-# --- one_f_one_b ------------------------------------------------------------------
+# --- one_f_one_b_slow -------------------------------------------------------------------------
 
-@mutant("one_f_one_b", "wrong")
-def warm_up_num_stages_everywhere(solution):
-    "a warm-up of num_stages forwards on every stage: the later stages hold more than p - i micro-batches"
-    return swap(solution, "warmup = min(n_microbatches, num_stages - stage_index)",
-                "warmup = min(n_microbatches, num_stages)")
+def warm_up_of_equal_stages(solution):
+    "1F1B's warm-up of p - i, written out: as short a step, but the stages before the slow one hold more than needed"
+    return swap(solution, "    return order(warmups[stage_index])", "    return order(p - stage_index)")
 
 
-@mutant("one_f_one_b", "reference")
-def calls_one_f_one_b_order(solution):
-    "mgpu_lab.parallel.pipeline.one_f_one_b_order, the order the exercise re-implements"
+@mutant("one_f_one_b_slow", "wrong")
+def warm_up_of_one(solution):
+    "a warm-up of one forward on every stage: little held, but the stages wait for each other and the step lengthens"
+    return swap(solution, "    return order(warmups[stage_index])", "    return order(1)")
+
+
+@mutant("one_f_one_b_slow", "wrong")
+def library_one_f_one_b_order(solution):
+    "mgpu_lab's one_f_one_b_order, the order for equal stages"
     return body(solution, "return one_f_one_b_order(stage_index, num_stages, n_microbatches)")
 
 
-@mutant("one_f_one_b", "copy")
-def copies_the_gpipe_order(solution):
+@mutant("one_f_one_b_slow", "copy")
+def the_gpipe_order(solution):
     "GPipe's order, as the notebook draws it (every forward, then every backward)"
     return body(solution, """
         return [("F", k) for k in range(n_microbatches)] + [("B", k) for k in range(n_microbatches)]
     """)
 
 
-@mutant("one_f_one_b", "tamper")
+@mutant("one_f_one_b_slow", "tamper")
 def ipython_hides_failures(solution):
-    "IPython's exception hook swallowing the failed check, and GPipe's order"
-    return prepend(body(solution, """
-        return [("F", k) for k in range(n_microbatches)] + [("B", k) for k in range(n_microbatches)]
-    """), """
+    "IPython's exception hook swallowing the failed check, and 1F1B's equal-stage warm-up"
+    return prepend(warm_up_of_equal_stages(solution), """
         get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)
     """)
 
 
-# --- choose_microbatches (design) ----------------------------------------------------
+# --- choose_schedule (design) ------------------------------------------------------------------
 
-@mutant("choose_microbatches", "wrong")
-def gpipe_memory_shrinks_with_m(solution):
+@mutant("choose_schedule", "wrong")
+def gpipe_holds_one_micro_batch(solution):
     "GPipe counted as holding one micro-batch: micro-batching is believed to cut GPipe's memory"
-    return swap(solution, "if m * per_microbatch <= budget_bytes:", "if per_microbatch <= budget_bytes:")
+    return swap(solution, "            memory = max(held_microbatches(o) for o in orders) * size",
+                "            memory = (size if schedule == \"GPipe\" else max(held_microbatches(o) for o in orders) * size)")
 
 
-@mutant("choose_microbatches", "wrong")
-def one_f_one_b_holds_one(solution):
-    "1F1B counted as holding one micro-batch per stage (it holds p - i, stage 0 the most)"
-    return swap(solution, "if min(m, p) * per_microbatch <= budget_bytes:", "if per_microbatch <= budget_bytes:")
+@mutant("choose_schedule", "wrong")
+def interleaved_bubble_by_the_formula(solution):
+    "interleaving's bubble taken from (p-1)/(2m+p-1) for every m: with fewer micro-batches than devices it is larger"
+    return swap(solution, "bubble_fraction([[(a, b) for *_, a, b in st] for st in replay]) <= case",
+                "((p - 1) / (2 * m + p - 1) if schedule == \"interleaved\" else "
+                "bubble_fraction([[(a, b) for *_, a, b in st] for st in replay])) <= case")
 
 
-@mutant("choose_microbatches", "copy")
-def tries_only_the_demos_m(solution):
-    "only the m of the bubble demo, (1, 2, 4, 8)"
-    return swap(solution, "for m in range(1, batch_size + 1):", "for m in (1, 2, 4, 8):")
+@mutant("choose_schedule", "copy")
+def the_bubble_demos_micro_batches(solution):
+    "only the m of the bubble demos, (4, 8), with 1F1B: no choice where neither fits"
+    return body(solution, """
+        if "global_batch" in case:
+            return "1F1B", 4, case["global_batch"] // 4
+        return "1F1B", 4, case["microbatch_size"]
+    """)
 
 
-@mutant("choose_microbatches", "tamper")
+@mutant("choose_schedule", "tamper")
 def patches_held_microbatches(solution):
-    "mgpu_lab.parallel.pipeline.held_microbatches patched to count one micro-batch, and the wrong GPipe rule"
-    return prepend(swap(solution, "if m * per_microbatch <= budget_bytes:", "if per_microbatch <= budget_bytes:"), """
+    "mgpu_lab's held_microbatches patched to count one micro-batch, and the wrong GPipe rule"
+    return prepend(gpipe_holds_one_micro_batch(solution), """
+        import mgpu_lab.parallel.pipeline
         mgpu_lab.parallel.pipeline.held_microbatches = lambda timeline: 1
     """)
