@@ -108,9 +108,13 @@ def forgets_the_data_generator(solution):
 
 @mutant("ex2_resume", "reference")
 def uses_train_state(solution):
-    "TrainState's state_dict, the class it re-implements"
-    return body(solution, """
+    "TrainState's state_dict and load, the class it re-implements (the global generators only)"
+    return _checkpoint(solution, """
         return TrainState(model, optimizer).state_dict()
+    """, """
+        path = Path(tempfile.mkdtemp()) / "state.pt"
+        torch.save(ckpt, path)
+        TrainState(model, optimizer).load(path)
     """)
 
 
@@ -121,7 +125,7 @@ def train_state_from_a_second_copy_of_its_module(solution):
     return """
 import importlib.util
 import mgpu_lab.training.train_state as _ts
-_spec = importlib.util.spec_from_file_location("train_state_copy", _ts.__file__)
+_spec = importlib.util.spec_from_file_location("mgpu_lab.training.train_state_copy", _ts.__file__)
 _copy = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_copy)
 
@@ -131,7 +135,9 @@ def my_checkpoint(model, optimizer, data_rng):
 
 
 def my_restore(ckpt, model, optimizer, data_rng):
-    _copy.TrainState(model, optimizer).load_state_dict(ckpt)
+    path = Path(tempfile.mkdtemp()) / "state.pt"
+    torch.save(ckpt, path)
+    _copy.TrainState(model, optimizer).load(path)
 """.lstrip()
 
 
