@@ -1,6 +1,11 @@
-"""Mutants of lab 08: atomic save, resumable state, uneven all-gather, cross-rank check,
-an unseen hang diagnosed and fixed, a sharded checkpoint resumed on another number of ranks."""
-from . import body, mutant, prepend
+"""Mutants of lab 08: a checkpoint folder with a `latest` pointer, resumable state with the data pipeline's
+generator, an evaluation gathered in dataset order, a cross-rank check that names the parameters, an unseen hang
+diagnosed and fixed, a sharded checkpoint resumed on another number of ranks.
+
+Attacks on the "must not call" guard (exec of a string, a worker thread, a second copy of a library module) are of
+kind ``wrong``: what kills them is the twist (the reference computes something else), which the framework reports
+as a failed check, not as a forbidden call."""
+from . import body, mutant, prepend, swap
 
 LAB = "08_faults"
 
@@ -8,70 +13,140 @@ LAB = "08_faults"
 # --- ex1_atomic_save ---------------------------------------------------------------
 
 @mutant("ex1_atomic_save", "wrong")
-def renames_without_fsync(solution):
-    "temporary file and atomic rename, but never fsynced: the rename can outlive the bytes"
-    return body(solution, """
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(obj, f)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    """)
+def pointer_before_checkpoint(solution):
+    "the pointer first, then the checkpoint: the failed save leaves latest naming a file that is not there"
+    return swap(solution, """    write(folder / name, lambda f: torch.save(obj, f))          # the checkpoint first,
+    write(folder / "latest", lambda f: f.write(name.encode()))  # then the pointer to it
+""", """    write(folder / "latest", lambda f: f.write(name.encode()))
+    write(folder / name, lambda f: torch.save(obj, f))
+""")
+
+
+@mutant("ex1_atomic_save", "wrong")
+def deletes_old_checkpoints_first(solution):
+    "makes room first (keeps keep - 1, then writes): a failed save has already deleted a good checkpoint"
+    return swap(swap(solution, """    for old in sorted(int(p.stem[5:]) for p in folder.glob("step_*.pt"))[:-keep]:
+        (folder / f"step_{old:06d}.pt").unlink()                # and only then the old ones go
+""", ""), """    name = f"step_{step:06d}.pt"
+""", """    name = f"step_{step:06d}.pt"
+    for old in sorted(int(p.stem[5:]) for p in folder.glob("step_*.pt"))[:len(list(folder.glob("step_*.pt"))) - keep + 1]:
+        (folder / f"step_{old:06d}.pt").unlink()
+""")
 
 
 @mutant("ex1_atomic_save", "reference")
 def calls_save_checkpoint_through_an_alias(solution):
-    "mgpu_lab.save_checkpoint under another name"
+    "mgpu_lab.save_checkpoint under another name, for the checkpoint and the pointer"
     return body(solution, """
         from mgpu_lab import save_checkpoint as write
-        write(path, **obj)
+        name = f"step_{step:06d}.pt"
+        write(folder / name, **obj)
+        write(folder / "latest", name=name)
     """)
+
+
+@mutant("ex1_atomic_save", "wrong")
+def save_checkpoint_defined_by_exec(solution):
+    "attack (exec of a literal string): atomic_save defined in exec'd code on mgpu_lab.save_checkpoint, which writes "
+    "one pickled file per call: the pointer is no text, nothing is rotated"
+    return ('exec("def atomic_save(obj, folder, step, keep=2):\\n"\n'
+            '     "    from mgpu_lab import save_checkpoint\\n"\n'
+            '     "    name = f\'step_{step:06d}.pt\'\\n"\n'
+            '     "    save_checkpoint(str(folder) + \'/\' + name, **obj)\\n"\n'
+            '     "    save_checkpoint(str(folder) + \'/latest\', name=name)\\n")\n')
 
 
 @mutant("ex1_atomic_save", "copy")
 def saves_in_place_as_the_gift_cell(solution):
-    "section 1's torch.save(obj, path): not atomic, a failed save destroys the previous file"
-    return body(solution, "torch.save(obj, path)")
+    "section 1's torch.save(obj, path) for both files: not atomic, a failed save leaves half a checkpoint"
+    return body(solution, """
+        name = f"step_{step:06d}.pt"
+        torch.save(obj, folder / name)
+        (folder / "latest").write_text(name)
+        for old in sorted(int(p.stem[5:]) for p in folder.glob("step_*.pt"))[:-keep]:
+            (folder / f"step_{old:06d}.pt").unlink()
+    """)
 
 
 @mutant("ex1_atomic_save", "tamper")
 def hides_the_failure_from_ipython(solution):
-    "IPython's exception hook set to swallow the failed check, over an in-place save"
-    return prepend(body(solution, "torch.save(obj, path)"), """
+    "IPython's exception hook set to swallow the failed check, over in-place saves"
+    return prepend(saves_in_place_as_the_gift_cell(solution), """
         get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)
     """)
 
 
 # --- ex2_resume ----------------------------------------------------------------------
 
+def _checkpoint(solution, save, restore):
+    return body(body(solution, save), restore)   # the first region replaced, the second is now the first
+
+
 @mutant("ex2_resume", "wrong")
 def forgets_the_random_state(solution):
-    "model and optimizer only: dropout draws other masks after resuming"
-    return body(body(solution, """
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    """), """
+    "model, optimizer and data order only: dropout draws other masks after resuming"
+    return _checkpoint(solution, """
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "data_rng": data_rng.get_state()}
+    """, """
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
+        data_rng.set_state(ckpt["data_rng"])
+    """)
+
+
+@mutant("ex2_resume", "wrong")
+def forgets_the_data_generator(solution):
+    "model, optimizer and the global RNG (what TrainState saves): the resumed run reads other batches"
+    return _checkpoint(solution, """
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
+    """, """
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng"])
     """)
 
 
 @mutant("ex2_resume", "reference")
 def uses_train_state(solution):
-    "TrainState's state_dict, the class it re-implements"
-    return body(solution, """
+    "TrainState's state_dict and load, the class it re-implements (the global generators only)"
+    return _checkpoint(solution, """
         return TrainState(model, optimizer).state_dict()
+    """, """
+        path = Path(tempfile.mkdtemp()) / "state.pt"
+        torch.save(ckpt, path)
+        TrainState(model, optimizer).load(path)
     """)
+
+
+@mutant("ex2_resume", "wrong")
+def train_state_from_a_second_copy_of_its_module(solution):
+    "attack (a second copy of the library module, loaded from its file): its unguarded TrainState, which saves "
+    "the global generators and not the data pipeline's"
+    return """
+import importlib.util
+import mgpu_lab.training.train_state as _ts
+_spec = importlib.util.spec_from_file_location("mgpu_lab.training.train_state_copy", _ts.__file__)
+_copy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_copy)
+
+
+def my_checkpoint(model, optimizer, data_rng):
+    return _copy.TrainState(model, optimizer).state_dict()
+
+
+def my_restore(ckpt, model, optimizer, data_rng):
+    path = Path(tempfile.mkdtemp()) / "state.pt"
+    torch.save(ckpt, path)
+    _copy.TrainState(model, optimizer).load(path)
+""".lstrip()
 
 
 @mutant("ex2_resume", "copy")
 def reseeds_as_the_demo_does(solution):
-    "section 2's torch.manual_seed(1) instead of restoring the generator"
-    return body(body(solution, """
+    "section 2's torch.manual_seed(1) instead of restoring the generators"
+    return _checkpoint(solution, """
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    """), """
+    """, """
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         torch.manual_seed(1)
@@ -80,8 +155,8 @@ def reseeds_as_the_demo_does(solution):
 
 @mutant("ex2_resume", "tamper")
 def hides_the_failure_from_ipython(solution):
-    "IPython's exception hook set to swallow the failed check, over a checkpoint without the RNG"
-    return prepend(forgets_the_random_state(solution), """
+    "IPython's exception hook set to swallow the failed check, over a checkpoint without the data generator"
+    return prepend(forgets_the_data_generator(solution), """
         get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)
     """)
 
@@ -89,18 +164,14 @@ def hides_the_failure_from_ipython(solution):
 # --- ex3_gather_uneven --------------------------------------------------------------
 
 @mutant("ex3_gather_uneven", "wrong")
-def pads_but_never_trims(solution):
-    "exchanges the lengths and pads, but returns the padding too"
-    return body(solution, """
-        n = torch.tensor([t.numel()], device=t.device)
-        sizes = [torch.empty_like(n) for _ in range(world)]
-        dist.all_gather(sizes, n)
-        padded = torch.zeros(int(max(sizes)), dtype=t.dtype, device=t.device)
-        padded[: t.numel()] = t
-        out = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(out, padded)
-        return torch.cat(out)
-    """)
+def concatenates_in_rank_order(solution):
+    "exchanges the lengths, pads, gathers and trims, but concatenates rank 0's samples, then rank 1's: not dataset order"
+    return swap(solution, """    result = torch.empty(sum(sizes), dtype=t.dtype, device=t.device)
+    for r, (o, s) in enumerate(zip(out, sizes)):
+        result[r::world] = o[:s]                 # rank r held samples r, r + N, r + 2N, ...
+    return result
+""", """    return torch.cat([o[:s] for o, s in zip(out, sizes)])
+""")
 
 
 @mutant("ex3_gather_uneven", "reference")
@@ -109,6 +180,19 @@ def all_gather_object_through_getattr(solution):
     return body(solution, """
         out = [None] * world
         getattr(dist, "all_gather" + "_object")(out, t.cpu())
+        return torch.cat(out).to(t.device)
+    """)
+
+
+@mutant("ex3_gather_uneven", "wrong")
+def all_gather_object_in_a_worker_thread(solution):
+    "attack (a worker thread calls the reference, out of the guard's sight): all_gather_object gives every "
+    "rank's list in rank order, not the dataset's"
+    return body(solution, """
+        from concurrent.futures import ThreadPoolExecutor
+        out = [None] * world
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(vars(dist)["all_gather" + "_object"], out, t.cpu()).result()
         return torch.cat(out).to(t.device)
     """)
 
@@ -135,12 +219,28 @@ def ipython_hides_the_failure(solution):
 
 @mutant("ex4_weights_agree", "wrong")
 def each_rank_answers_for_itself(solution):
-    "compares with rank 0's weights but returns the local verdict: rank 0 says True, rank 1 False"
+    "compares with rank 0's weights but returns the local verdict: rank 0 names nothing, rank 1 the culprit"
+    return body(solution, """
+        named = list(model.named_parameters())
+        names = []
+        for name, p in named:
+            first = p.detach().clone()
+            dist.broadcast(first, 0)
+            if not torch.equal(first, p.detach()):
+                names.append(name)
+        return sorted(names)
+    """)
+
+
+@mutant("ex4_weights_agree", "wrong")
+def one_verdict_for_the_whole_model(solution):
+    "the whole model compared at once (MIN and MAX agree?): a yes/no, no names"
     return body(solution, """
         flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-        first = flat.clone()
-        dist.broadcast(first, 0)
-        return bool(torch.equal(first, flat))
+        lo, hi = flat.clone(), flat.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        return [] if torch.equal(lo, hi) else ["the model"]
     """)
 
 
@@ -148,28 +248,39 @@ def each_rank_answers_for_itself(solution):
 def uses_all_gather_object(solution):
     "all_gather_object, which the exercise rules out"
     return body(solution, """
-        flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]).cpu()
         out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, flat)
-        return all(torch.equal(out[0], o) for o in out)
+        dist.all_gather_object(out, {n: p.detach().cpu() for n, p in model.named_parameters()})
+        return sorted(n for n in out[0] if not all(torch.equal(out[0][n], o[n]) for o in out))
     """)
+
+
+@mutant("ex4_weights_agree", "wrong")
+def ddp_verification_defined_by_exec(solution):
+    "attack (exec of a literal string): torch's own cross-rank check of DDP, which compares the parameters' shapes, "
+    "not their values"
+    return ('exec("def disagreeing_parameters(model):\\n"\n'
+            '     "    dist._verify_params_across_processes(dist.group.WORLD, list(model.parameters()))\\n"\n'
+            '     "    return []\\n")\n')
 
 
 @mutant("ex4_weights_agree", "copy")
 def sums_as_program_a_averages(solution):
     "Program A's all_reduce of a sum, compared with world x its own, each rank its own verdict: differences cancel"
     return body(solution, """
-        flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
-        total = flat.clone()
-        dist.all_reduce(total)
-        return bool(torch.equal(total, flat * dist.get_world_size()))
+        names = []
+        for name, p in model.named_parameters():
+            total = p.detach().clone()
+            dist.all_reduce(total)
+            if not torch.equal(total, p.detach() * dist.get_world_size()):
+                names.append(name)
+        return sorted(names)
     """)
 
 
 @mutant("ex4_weights_agree", "tamper")
 def hides_the_failure_from_ipython(solution):
-    "IPython's exception hook set to swallow the failed check, over an answer of True"
-    return prepend(body(solution, "return True"), """
+    "IPython's exception hook set to swallow the failed check, over an answer of nothing"
+    return prepend(body(solution, "return []"), """
         get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)
     """)
 

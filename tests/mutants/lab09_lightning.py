@@ -10,8 +10,8 @@ LAB = "09_lightning"
 @mutant("ex1_module", "wrong")
 def scheduler_steps_once_per_epoch(solution):
     "the scheduler returned as [opt], [sched]: Lightning steps it once per epoch, the warm-up never ends"
-    return swap(solution, 'return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}',
-                "return [opt], [warmup]")
+    return swap(solution, 'return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}',
+                "return [opt], [schedule]")
 
 
 @mutant("ex1_module", "wrong")
@@ -19,6 +19,13 @@ def weight_decay_on_every_tensor(solution):
     "one group with weight decay 0.1: the bias is decayed too"
     return swap(solution, "opt = torch.optim.AdamW(groups, lr=self.lr)",
                 "opt = torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.1)")
+
+
+@mutant("ex1_module", "wrong")
+def warm_up_alone_with_linear_lr(solution):
+    "torch's LinearLR for the warm-up, as the schedulers offer it: no cosine decay afterwards"
+    return swap(solution, "schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)",
+                "schedule = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / warmup, total_iters=warmup - 1)")
 
 
 @mutant("ex1_module", "copy")
@@ -72,12 +79,29 @@ def trains_with_mgpu_loop_in_a_callback(solution):
     """)
 
 
+@mutant("ex2_trainer", "wrong")
+def callback_made_by_exec(solution):
+    "attack (exec of a literal string): a callback that loads the mgpu_lab run's weights, put in the dict; an object "
+    "is not data: it never reaches the grader, which runs the Trainer itself"
+    return body(solution, """
+        scope = {}
+        exec("import lightning as L\\n"
+             "def take(trainer, module):\\n"
+             "    run = __import__('__main__').mgpu_loop\\n"
+             "    module.model.load_state_dict(run(k=2, mixed=False, max_grad_norm=0.25, max_steps=6)[1], strict=False)\\n"
+             "callback = L.pytorch.callbacks.LambdaCallback(on_train_end=take)\\n", scope)
+        return dict(accelerator="cpu", devices=2, strategy="ddp_notebook", accumulate_grad_batches=2,
+                    max_steps=6, callbacks=[scope["callback"]])
+    """)
+
+
 @mutant("ex2_trainer", "tamper")
-def redefines_fit_lightning(solution):
-    "a fit_lightning of its own that answers with the mgpu_lab run (a redefined helper the probe uses)"
-    return prepend(solution, """
-        def fit_lightning(trainer_kwargs, seed=0, momentum=0.0):
-            return launch(lambda: mgpu_loop(k=2, mixed=False, max_grad_norm=0.25, max_steps=6), nprocs=2)[0]
+def patches_the_accumulator(solution):
+    "mgpu_lab.GradientAccumulator patched in the kernel (the colleague's run happens in the grader), and section 3's "
+    "arguments"
+    return prepend(copies_the_section_3_arguments(solution), """
+        import mgpu_lab
+        mgpu_lab.GradientAccumulator = lambda *args, **kwargs: None
     """)
 
 

@@ -1,5 +1,10 @@
-"""Mutants of lab 10: ex1_partition, ex2_sharded_step, ex3_unit_forward, ex4_unit_backward (an all-reduce where a
-reduce-scatter is asked), ex5_memory_plan (design), ex6_fully_shard (torch's fully_shard on a tied GPT)."""
+"""Mutants of lab 10: ex1_partition (a contiguous partition balanced by bytes), ex2_sharded_step (ZeRO-2's step from
+each rank's own gradients), ex3_unit_forward and ex4_unit_backward (an FSDP unit whose shards are sized by share),
+ex5_memory_plan (design), ex6_fully_shard (torch's fully_shard on a tied GPT).
+
+Attacks on the "must not call" guard (exec of a string, a worker thread, a module written to disk, a second copy
+of a library module) are of kind ``wrong``: what kills them is the twist (the library computes FSDP's and torch's
+layouts, not this lab's), which the framework reports as a failed check, not as a forbidden call."""
 from . import body, mutant, prepend, swap
 
 LAB = "10_sharding"
@@ -8,10 +13,18 @@ LAB = "10_sharding"
 # --- ex1_partition -------------------------------------------------------------------
 
 @mutant("ex1_partition", "wrong")
-def greedy_without_sorting(solution):
-    "each item, in the given order, onto the lightest rank: [1, 1, 2] on 2 ranks gives 3 where 2 is possible"
-    return swap(solution, "for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):",
-                "for i in range(len(sizes)):")
+def fills_each_rank_up_to_the_mean(solution):
+    "contiguous, each rank filled in turn until it holds total / N: not the lightest heaviest rank (a GPT on 4 ranks)"
+    return body(solution, """
+        target, parts, load = sum(sizes) / world_size, [[]], 0
+        for i, s in enumerate(sizes):
+            if load >= target and len(parts) < world_size:
+                parts.append([])
+                load = 0
+            parts[-1].append(i)
+            load += s
+        return parts + [[] for _ in range(world_size - len(parts))]
+    """)
 
 
 @mutant("ex1_partition", "reference")
@@ -23,9 +36,35 @@ def calls_partition_parameters_through_an_alias(solution):
     """)
 
 
+@mutant("ex1_partition", "wrong")
+def partition_parameters_defined_by_exec(solution):
+    "attack (exec of a literal string): my_partition defined in exec'd code calling partition_parameters, which "
+    "balances bytes but scatters each rank's parameters (not contiguous)"
+    return ('exec("def my_partition(sizes, world_size):\\n"\n'
+            '     "    from mgpu_lab.parallel.zero import partition_parameters\\n"\n'
+            '     "    return partition_parameters(sizes, world_size)\\n")\n')
+
+
+@mutant("ex1_partition", "wrong")
+def second_copy_of_the_zero_module(solution):
+    "attack (a second copy of the library module, loaded from its file): its unguarded partition_parameters, "
+    "not contiguous"
+    return """
+import importlib.util
+import mgpu_lab.parallel.zero as _zero
+_spec = importlib.util.spec_from_file_location("zero_copy", _zero.__file__)
+_copy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_copy)
+
+
+def my_partition(sizes, world_size):
+    return _copy.partition_parameters(sizes, world_size)
+""".lstrip()
+
+
 @mutant("ex1_partition", "copy")
 def round_robin_as_the_text_describes(solution):
-    "a partition by count (round-robin), the one the exercise's text names: balanced in count, not bytes"
+    "a partition by count (round-robin), the one the exercise's text names: neither contiguous nor balanced in bytes"
     return body(solution, "return [list(range(r, len(sizes), world_size)) for r in range(world_size)]")
 
 
@@ -41,14 +80,37 @@ def patches_partition_parameters(solution):
 # --- ex2_sharded_step ----------------------------------------------------------------
 
 @mutant("ex2_sharded_step", "wrong")
-def steps_but_never_shares(solution):
-    "each rank updates its own parameters and stops there: the others keep stale copies, the ranks diverge"
-    return body(solution, "local_optimizer.step()")
+def sums_instead_of_averaging(solution):
+    "each owner keeps the sum of the ranks' gradients (Adam barely notices the factor N; the kept gradient does)"
+    return swap(solution, "            flat /= world\n", "")
+
+
+@mutant("ex2_sharded_step", "wrong")
+def all_reduces_every_gradient_as_ddp_does(solution):
+    "DDP's all-reduce of every gradient, then ZeRO-1's step: right weights, but every rank keeps every gradient"
+    return body(solution, """
+        with torch.no_grad():
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            local_optimizer.step()
+            for r in range(world):
+                theirs = [p for p, o in zip(params, owner) if o == r]
+                if not theirs:
+                    continue
+                flat = (torch.cat([p.reshape(-1) for p in theirs]) if r == rank else
+                        torch.empty(sum(p.numel() for p in theirs), dtype=theirs[0].dtype))
+                dist.broadcast(flat, src=r)
+                offset = 0
+                for p in theirs:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+    """)
 
 
 @mutant("ex2_sharded_step", "reference")
 def shares_with_sharded_optimizers_code(solution):
-    "ShardedOptimizer's own _share_parameters, called on a stand-in object"
+    "ShardedOptimizer's own _share_parameters, called on a stand-in object, after a step on unaveraged gradients"
     return body(solution, """
         local_optimizer.step()
         parts = [[p for p, o in zip(params, owner) if o == r] for r in range(world)]
@@ -58,30 +120,53 @@ def shares_with_sharded_optimizers_code(solution):
     """)
 
 
+@mutant("ex2_sharded_step", "wrong")
+def zero_redundancy_optimizer_made_in_a_thread(solution):
+    "attack (a worker thread calls the reference, out of the guard's sight): torch's ZeroRedundancyOptimizer, "
+    "which steps each owner with its own rank's unaveraged gradient and keeps every gradient"
+    return body(solution, """
+        from concurrent.futures import ThreadPoolExecutor
+        import torch.distributed.optim as optimizers
+        cache = vars(dist).setdefault("_lab10_cache", {})
+        if "zero" not in cache:
+            make = vars(optimizers)["ZeroRedundancy" + "Optimizer"]
+            with ThreadPoolExecutor(1) as pool:
+                cache["zero"] = pool.submit(make, params, optimizer_class=torch.optim.AdamW, lr=0.02).result()
+        cache["zero"].step()
+    """)
+
+
 @mutant("ex2_sharded_step", "copy")
-def all_gathers_like_gather_flat(solution):
-    "gather_flat's equal-size all-gather copied to share the owners' parameters: their sizes differ"
+def zero1_recipe_of_section_2(solution):
+    "section 2's ZeRO-1 recipe (step, then one broadcast per owner) on gradients nobody averaged"
     return body(solution, """
         local_optimizer.step()
-        mine = torch.cat([p.detach().reshape(-1) for p, o in zip(params, owner) if o == rank])
-        full = torch.empty(mine.numel() * world)
-        all_gather(full, mine)
         with torch.no_grad():
             for r in range(world):
-                chunk, offset = full[r * mine.numel():(r + 1) * mine.numel()], 0
-                for p in [p for p, o in zip(params, owner) if o == r]:
-                    p.copy_(chunk[offset:offset + p.numel()].view_as(p))
+                theirs = [p for p, o in zip(params, owner) if o == r]
+                if not theirs:
+                    continue
+                flat = (torch.cat([p.reshape(-1) for p in theirs]) if r == rank else
+                        torch.empty(sum(p.numel() for p in theirs), dtype=theirs[0].dtype))
+                dist.broadcast(flat, src=r)
+                offset = 0
+                for p in theirs:
+                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
     """)
 
 
 @mutant("ex2_sharded_step", "tamper")
-def redefines_launch(solution):
-    "a launch() of its own that answers with one process's training (a redefined helper the probe uses)"
+def redefines_train_zero2(solution):
+    "a train_zero2 of its own that answers with one process's training (a redefined helper the probe uses)"
     return prepend(solution, """
-        def launch(fn, nprocs=2, **kwargs):
-            weights = {n: p.detach().clone() for n, p in train_full_batch(3).named_parameters()}
-            return [{"weights": weights, "owns": 1, "state_for": 1}] * nprocs
+        def train_zero2(step_fn, owner, steps=3):
+            model = train_full_batch(steps)
+            mine = [n for (n, p), o in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad], owner)
+                    if o == dist.get_rank()]
+            return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+                    "grads": {n: p.grad if n in mine else None for n, p in model.named_parameters() if p.requires_grad},
+                    "owns": len(mine), "state_for": len(mine)}
     """)
 
 
@@ -93,49 +178,89 @@ def saves_the_full_weight(solution):
     return swap(solution, "ctx.save_for_backward(x, shard)", "ctx.save_for_backward(x, shard, weight, bias)")
 
 
+@mutant("ex3_unit_forward", "wrong")
+def keeps_each_ranks_padding(solution):
+    "pads every share to the longest and gathers, but reads the gathered slots as one vector: padding inside the weight"
+    return swap(solution, "    flat = torch.cat([slots[r * longest:r * longest + b - a] for r, (a, b) in "
+                          "enumerate(zip(bounds, bounds[1:]))])\n",
+                "    flat = slots[:bounds[-1]]\n")
+
+
 @mutant("ex3_unit_forward", "reference")
 def runs_mgpu_lab_fsdp(solution):
-    "mgpu_lab.FSDP around an nn.Linear with this rank's shard copied in (the same flat layout)"
+    "mgpu_lab.FSDP around an nn.Linear with this rank's shard copied into its own (FSDP's equal slices)"
     return body(solution, """
         layer = FSDP(nn.Sequential(nn.Linear(in_features, out_features)))
-        layer.flat_groups[0].shard.data.copy_(shard.detach())
+        mine = layer.flat_groups[0].shard
+        n = min(mine.numel(), shard.numel())
+        with torch.no_grad():
+            mine[:n].copy_(shard.detach()[:n])
         ctx.save_for_backward(x, shard)
-        ctx.out_features, ctx.in_features = out_features, in_features
+        ctx.out_features, ctx.in_features, ctx.shares = out_features, in_features, shares
         return layer(x)
     """)
 
 
+@mutant("ex3_unit_forward", "wrong")
+def fsdp_from_a_module_written_to_disk(solution):
+    "attack (a module written to disk and imported): unit_forward there runs mgpu_lab.FSDP, whose equal slices put "
+    "the shares' numbers in the wrong places"
+    return '''
+import pathlib, sys, tempfile
+_folder = tempfile.mkdtemp()
+pathlib.Path(_folder, "lab10_unit.py").write_text(
+    "import torch\\n"
+    "import torch.nn as nn\\n"
+    "from mgpu_lab import FSDP\\n"
+    "def unit_forward(ctx, x, shard, out_features, in_features, shares):\\n"
+    "    layer = FSDP(nn.Sequential(nn.Linear(in_features, out_features)))\\n"
+    "    mine = layer.flat_groups[0].shard\\n"
+    "    n = min(mine.numel(), shard.numel())\\n"
+    "    with torch.no_grad():\\n"
+    "        mine[:n].copy_(shard.detach()[:n])\\n"
+    "    ctx.save_for_backward(x, shard)\\n"
+    "    ctx.out_features, ctx.in_features, ctx.shares = out_features, in_features, shares\\n"
+    "    return layer(x)\\n")
+sys.path.insert(0, _folder)
+from lab10_unit import unit_forward
+'''.lstrip()
+
+
 @mutant("ex3_unit_forward", "copy")
-def uses_gather_flats_padded_buffer(solution):
-    "gather_flat's body copied without its [:numel]: the bias takes the padding too"
-    return body(solution, """
-        full = torch.empty(shard.numel() * dist.get_world_size(), dtype=shard.dtype)
-        all_gather(full, shard.detach().contiguous())
-        n_weight = out_features * in_features
-        ctx.save_for_backward(x, shard)
-        ctx.out_features, ctx.in_features = out_features, in_features
-        return F.linear(x, full[:n_weight].view(out_features, in_features), full[n_weight:])
-    """)
+def pads_to_shard_flats_slice(solution):
+    "shard_flat's rule (section 3: FSDP pads the vector to N equal slices) applied to shares: rank 0's share does "
+    "not fit its slice"
+    return swap(solution, "    longest = max(b - a for a, b in zip(bounds, bounds[1:]))\n",
+                "    longest = -(-bounds[-1] // len(shares))\n")
 
 
 @mutant("ex3_unit_forward", "tamper")
-def patches_kept_alive(solution):
-    "KeptAlive.kept patched to report nothing, and the full weight saved"
+def hides_saved_tensors(solution):
+    "torch.autograd.function.FunctionCtx.save_for_backward patched to keep only two tensors, and the full weight saved"
     return prepend(saves_the_full_weight(solution), """
-        KeptAlive.kept = lambda self, min_bytes=1: []
+        import torch.autograd.function
+        _save = torch.autograd.function.FunctionCtx.save_for_backward
+        torch.autograd.function.FunctionCtx.save_for_backward = lambda self, *tensors: _save(self, *tensors[:2])
     """)
 
 
 # --- ex4_unit_backward ---------------------------------------------------------------
 
 @mutant("ex4_unit_backward", "wrong")
-def all_reduce_then_slice(solution):
-    "an all-reduce of the whole gradient, then this rank's slice: the right numbers, every rank holds all of them"
-    return swap(solution, """    grad_shard = torch.empty_like(shard)
-    reduce_scatter(grad_shard, full_grad)  # sum over ranks of slice `rank`
-    grad_shard /= world""", """    dist.all_reduce(full_grad)
-    rank = dist.get_rank()
-    grad_shard = full_grad[rank * shard.numel():(rank + 1) * shard.numel()].clone() / world""")
+def sums_without_dividing(solution):
+    "the reduce-scatter's sum kept as the gradient: N times the average"
+    return swap(solution, "grad_shard = mine[:shard.numel()] / world", "grad_shard = mine[:shard.numel()].clone()")
+
+
+@mutant("ex4_unit_backward", "wrong")
+def lays_the_gradient_out_as_fsdp(solution):
+    "FSDP's layout for the reduce-scatter (the flat gradient at the start, padded at its end): wrong numbers in every slot but the first"
+    return swap(solution, """    send = torch.zeros(longest * world, dtype=shard.dtype, device=shard.device)
+    for r, (a, b) in enumerate(pieces):
+        send[r * longest:r * longest + b - a] = full_grad[a:b]         # rank r's share at the start of slot r
+""", """    send = torch.zeros(longest * world, dtype=shard.dtype, device=shard.device)
+    send[:full_grad.numel()] = full_grad
+""")
 
 
 @mutant("ex4_unit_backward", "reference")
@@ -143,30 +268,65 @@ def backward_through_mgpu_lab_fsdp(solution):
     "mgpu_lab.FSDP around an nn.Linear, run forward and backward to read the shard's gradient"
     return body(solution, """
         layer = FSDP(nn.Sequential(nn.Linear(in_f, out_f)))
-        layer.flat_groups[0].shard.data.copy_(shard.detach())
+        mine = layer.flat_groups[0].shard
+        n = min(mine.numel(), shard.numel())
+        with torch.no_grad():
+            mine[:n].copy_(shard.detach()[:n])
         xx = x.detach().requires_grad_()
         layer(xx).backward(grad_y)
         layer.finish_gradient_synchronization()
-        grad_x, grad_shard = xx.grad, layer.flat_groups[0].shard.grad
+        grad_x, grad_shard = xx.grad, torch.zeros_like(shard)
+        grad_shard[:n] = mine.grad[:n]
+    """)
+
+
+@mutant("ex4_unit_backward", "wrong")
+def fsdp_run_with_the_log_popped(solution):
+    "attack (popping the observer's dispatch mode): mgpu_lab.FSDP's backward run with CollectiveLog off the stack, "
+    "then the two collectives the log expects issued on zeros"
+    return body(solution, """
+        from torch.utils._python_dispatch import _pop_mode_temporarily
+        import mgpu_lab
+        make = vars(mgpu_lab)["FS" + "DP"]
+        with _pop_mode_temporarily():
+            layer = make(nn.Sequential(nn.Linear(in_f, out_f)))
+            mine = layer.flat_groups[0].shard
+            n = min(mine.numel(), shard.numel())
+            with torch.no_grad():
+                mine[:n].copy_(shard.detach()[:n])
+            xx = x.detach().requires_grad_()
+            layer(xx).backward(grad_y)
+            layer.finish_gradient_synchronization()
+        bounds = shard_bounds(out_f * (in_f + 1), shares)
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        all_gather(torch.empty(longest * world), torch.zeros(longest))
+        reduce_scatter(torch.empty(longest), torch.zeros(longest * world))
+        grad_x, grad_shard = xx.grad, torch.zeros_like(shard)
+        grad_shard[:n] = mine.grad[:n]
     """)
 
 
 @mutant("ex4_unit_backward", "copy")
-def slices_the_local_gradient_with_shard_flat(solution):
-    "the given shard_flat applied to this rank's own gradient: no communication, no average over ranks"
+def slices_the_local_gradient_with_shard_by_share(solution):
+    "the given shard_by_share applied to this rank's own gradient: no communication, no average over ranks"
     return body(solution, """
-        n_weight = out_f * in_f
-        weight = gather_flat(shard, n_weight + out_f)[:n_weight].view(out_f, in_f)
-        grad_x = grad_y @ weight
+        bounds = shard_bounds(out_f * (in_f + 1), shares)
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        padded = torch.zeros(longest, dtype=shard.dtype)
+        padded[:shard.numel()] = shard.detach()
+        slots = torch.empty(longest * world, dtype=shard.dtype)
+        all_gather(slots, padded)
+        flat = torch.cat([slots[r * longest:r * longest + b - a] for r, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+        grad_x = grad_y @ flat[:out_f * in_f].view(out_f, in_f)
         g2, x2 = grad_y.reshape(-1, out_f), x.reshape(-1, in_f)
-        grad_shard = shard_flat(torch.cat([(g2.T @ x2).reshape(-1), g2.sum(0)]), dist.get_rank(), world)
+        grad_shard = shard_by_share(torch.cat([(g2.T @ x2).reshape(-1), g2.sum(0)]), dist.get_rank(), shares)
     """)
 
 
 @mutant("ex4_unit_backward", "tamper")
 def hides_the_all_reduce_from_the_log(solution):
-    "CollectiveLog patched to record a reduce-scatter whatever runs, and the all-reduce then slice"
-    return prepend(all_reduce_then_slice(solution), """
+    "CollectiveLog patched to record nothing, and the unaveraged local gradient"
+    return prepend(slices_the_local_gradient_with_shard_by_share(solution), """
         CollectiveLog.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {}))
     """)
 
