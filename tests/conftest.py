@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 collect_ignore = ["data"]
@@ -59,6 +60,33 @@ class TiedNet(nn.Module):
     def forward(self, idx):
         h = torch.tanh(self.hidden(self.embed(idx))) * self.scale
         return self.head(torch.tanh(self.frozen(h)))
+
+
+def token_batches(steps: int, batch: int = 12, seq: int = 5, seed: int = 1234):
+    """``steps`` pairs (input ids, target ids) of random tokens, ``[batch, seq]`` each; the same in
+    every process."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (batch, seq), generator=g),
+             torch.randint(0, VOCAB, (batch, seq), generator=g)) for _ in range(steps)]
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``model(x)``'s logits over VOCAB against ``y`` (in fp32 whatever the model's dtype)."""
+    return nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def backward_on_this_gpu(wrap, batch: int = 12, seq: int = 5):
+    """On this rank's GPU, one backward of ``wrap(TiedNet(seed=rank))`` on this rank's share of a
+    batch, and of a plain ``TiedNet(seed=0)`` on all of it. Returns both, to compare gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank)
+    x, y = (t.to(device) for t in token_batches(1, batch, seq)[0])
+    lo, hi = rank * batch // world, (rank + 1) * batch // world
+    ref = TiedNet(seed=0).to(device)
+    lm_loss(ref, x, y).backward()
+    model = wrap(TiedNet(seed=rank).to(device))
+    lm_loss(model, x[lo:hi], y[lo:hi]).backward()
+    return model, ref
 
 
 class _Attention(nn.Module):
@@ -205,6 +233,18 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
     return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
 
 
+def error_text(call, errors=Exception):
+    """The message of what ``call()`` raised (an instance of ``errors``), or None when it returned.
+
+    For checks inside launched ranks: an exception there ends the launch before a
+    ``pytest.raises`` could see it, so the rank returns the text for the test to assert on."""
+    try:
+        call()
+    except errors as e:
+        return str(e)
+    return None
+
+
 def pid_alive(pid: int) -> bool:
     """Is process ``pid`` running (not gone, not a zombie)? Linux /proc."""
     try:
@@ -241,18 +281,27 @@ def assert_no_children(grace: float = 10.0) -> None:
     assert not left, f"processes left behind: {left}"
 
 
-def run_session(cmd, env, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; past ``timeout`` kill the whole session (torchrun's
-    workers too, which a plain ``subprocess.run`` timeout would leave behind) and fail."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def start_session(cmd, env=None) -> subprocess.Popen:
+    """Start ``cmd`` in the repository root, in its own session, its output captured as text."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
+
+
+def finish_session(proc: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Wait for ``proc``; past ``timeout`` kill its whole session (torchrun's workers too, which
+    a plain ``subprocess.run`` timeout would leave behind) and fail."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, err = proc.communicate()
-        pytest.fail(f"{cmd} did not finish in {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        pytest.fail(f"{proc.args} did not finish in {timeout} s:\n{out}\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_session(cmd, env, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to its end in its own session (see ``finish_session``)."""
+    return finish_session(start_session(cmd, env), timeout)
 
 
 @pytest.hookimpl(trylast=True)      # after -k and -m have deselected

@@ -2,31 +2,21 @@
 import json
 import os
 import socket
-import subprocess
 import sys
 
-import pytest
-
 from mgpu_lab.runtime.torchrun import free_port
-from conftest import ROOT
+from conftest import ROOT, finish_session, start_session
 
 TRAIN = str(ROOT / "examples" / "ddp_train.py")
 
 
-def mgpu_lab(*args, timeout=180):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "mgpu_lab", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def mgpu_lab(*args):
+    return start_session([sys.executable, "-m", "mgpu_lab", *args], {**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def finish(proc, timeout=180):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"mgpu-lab launch did not finish in {timeout} s:\n{out}\n{err}")
-    return proc.returncode, out, err
+def finish(proc):
+    done = finish_session(proc, timeout=180)
+    return done.returncode, done.stdout, done.stderr
 
 
 def summary(out):

@@ -70,6 +70,13 @@ def test_a_clean_program_records_its_sequence_and_unpatches():
     assert_no_children()
 
 
+def _single_names():
+    """torch's names of the one-tensor all-gather and reduce-scatter (renamed in torch 2.13)."""
+    if hasattr(dist, "all_gather_single"):
+        return "all_gather_single", "reduce_scatter_single"
+    return "all_gather_into_tensor", "reduce_scatter_tensor"
+
+
 def _fsdp_step():
     """The library's own collectives are seen: FSDP's all-gathers and reduce-scatters, DDP's all-reduce."""
     from mgpu_lab import FSDP, BucketedDDP
@@ -86,12 +93,32 @@ def test_the_trace_sees_the_collectives_of_fsdp_and_ddp():
     ops = launch(_fsdp_step, nprocs=2, timeout=60)[0]
     # two units gathered for forward; in backward each gathered again, then its gradient reduce-scattered;
     # then DDP's one bucket
-    new_names = hasattr(dist, "all_gather_single")  # torch >= 2.13
-    ag, rs = ("all_gather_single", "reduce_scatter_single") if new_names else ("all_gather_into_tensor",
-                                                                               "reduce_scatter_tensor")
+    ag, rs = _single_names()
     assert [op for op, _ in ops] == [ag, ag, ag, rs, ag, rs, "all_reduce"], ops
     assert all(where.startswith(("mgpu_lab/parallel/flat_param.py", "mgpu_lab/parallel/ddp.py"))
                for _, where in ops), ops
+
+
+def _sequence_parallel_step():
+    """Sequence parallelism's all-gathers and reduce-scatters (Megatron's f and g along the sequence)."""
+    from mgpu_lab.parallel.tensor_parallel_blocks import ParallelTransformerBlock
+    torch.manual_seed(0)
+    block = ParallelTransformerBlock(8, 2, 16, sequence_parallel=True)
+    x = torch.randn(1, 2, 8, requires_grad=True)  # this rank's 2 positions of 4
+    with collective_trace(timeout=30) as trace:
+        block(x).sum().backward()
+    return [(r["op"], r["where"].split(" ")[0]) for r in trace.records]
+
+
+def test_the_trace_sees_the_collectives_of_sequence_parallelism():
+    ops = launch(_sequence_parallel_step, nprocs=2, timeout=60)[0]
+    ag, rs = _single_names()
+    names = [op for op, _ in ops]
+    # forward: gather before attention's QKV, reduce-scatter after its output projection, the same for
+    # the MLP; backward: the conjugate of each (and the all-reduces of the parameters used on a shard)
+    assert names[:4] == [ag, rs, ag, rs], ops
+    assert names.count(ag) == names.count(rs) == 4, ops
+    assert all(where.startswith("mgpu_lab/parallel/tensor_parallel.py") for _, where in ops), ops
 
 
 def test_a_collective_only_rank_0_calls_is_named_within_the_timeout():
@@ -121,10 +148,7 @@ def test_a_rank_stuck_outside_collectives_times_out_the_others_with_its_state():
     assert "rank 1: (no call yet: still running, or stuck before it)" in text
 
 
-def test_trace_outside_a_process_group_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="no process group"):
-        with collective_trace():
-            pass
+def test_a_timeout_must_be_positive():  # outside a process group: test_distributed.py
     with pytest.raises(ValueError, match="positive"):
         collective_trace(timeout=0)
 

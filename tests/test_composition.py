@@ -29,7 +29,7 @@ import torch.distributed.checkpoint.state_dict  # noqa: F401  (loaded once here,
 import torch.distributed.fsdp  # noqa: F401
 from torch import nn
 
-from conftest import VOCAB, WRAPPERS, TiedNet, wrap
+from conftest import VOCAB, WRAPPERS, TiedNet, lm_loss, wrap
 from mgpu_lab import GradientAccumulator, LaunchError, LossScaler, ShardedOptimizer, TrainState, launch
 from mgpu_lab.parallel.wrappers import model_state_dict
 
@@ -55,10 +55,6 @@ def _step_batch(step, rank):
 def _micro_batch(j, rank):
     """Accumulation: micro-batch j of rank r holds 1 to 3 sequences, uneven across ranks and steps."""
     return _tokens(1 + (j + 2 * rank) % 3, 100 * j + rank)
-
-
-def _loss(model, x, y):
-    return nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
 
 
 def _scaler(**kw):
@@ -103,7 +99,7 @@ def _train_case(wrapper, scenario, mode, path):
             for j in range(state.step * K, min((state.step + 1) * K, MICRO)):
                 x, y = _micro_batch(j, rank)
                 with acc.micro_step():
-                    acc.backward(_loss(model, x, y), num_samples=len(x))
+                    acc.backward(lm_loss(model, x, y), num_samples=len(x))
             if acc.micro_steps_in_window:
                 acc.flush()  # the short last window
         else:
@@ -122,12 +118,12 @@ def _step(model, opt, scaler, x, y, clip=False):
     opt.zero_grad()
     if scaler is not None:
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = _loss(model, x, y)
+            loss = lm_loss(model, x, y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
     else:
-        _loss(model, x, y).backward()
+        lm_loss(model, x, y).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(_trainable(model), 0.5)
         opt.step()

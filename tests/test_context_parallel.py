@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from conftest import error_text
 from mgpu_lab import launch, ring_attention
 from mgpu_lab.parallel.pipeline import bubble_fraction
 from mgpu_lab.parallel.sequence_layout import (layout_chunks, local_positions, shard_sequence, simulate_ring,
@@ -86,10 +87,7 @@ def _bad_calls():
     errors = {}
     for name, call in {"layout": lambda: ring_attention(q[:, :, :5], q[:, :, :5], q[:, :, :5], layout="zigzag"),
                        "shape": lambda: ring_attention(q, q[:, :1], q)}.items():
-        try:
-            call()
-        except ValueError as e:
-            errors[name] = str(e)
+        errors[name] = error_text(call, ValueError)
     return errors
 
 

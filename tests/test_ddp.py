@@ -17,20 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import VOCAB, TiedNet, max_param_diff, requires_gpus
+from conftest import TiedNet, backward_on_this_gpu, error_text, lm_loss, max_param_diff, requires_gpus, token_batches
 from mgpu_lab import BucketedDDP, NaiveDDP, launch
 
 BATCH, SEQ, STEPS = 12, 5, 4  # BATCH divisible by 2, 3 and 4
-
-
-def _batches():
-    g = torch.Generator().manual_seed(1234)
-    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
-
-
-def _loss(model, x, y):
-    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
 def _optimizer(name, params):
@@ -44,7 +34,7 @@ def _train_cases():
     """In every rank: train each wrapper, return max parameter differences."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
-    batches = _batches()
+    batches = token_batches(STEPS, BATCH, SEQ)
     out = {}
     for opt_name in ("sgd", "adam"):
         # The single-process reference: rank 0's initial weights, the full batch.
@@ -52,7 +42,7 @@ def _train_cases():
         ref_opt = _optimizer(opt_name, ref.parameters())
         for x, y in batches:
             ref_opt.zero_grad()
-            _loss(ref, x, y).backward()
+            lm_loss(ref, x, y).backward()
             ref_opt.step()
         torch_ddp = DistributedDataParallel(TiedNet(seed=0))
         wrappers = {
@@ -67,7 +57,7 @@ def _train_cases():
             launched[name] = []
             for x, y in batches:
                 opt.zero_grad()
-                _loss(model, x[lo:hi], y[lo:hi]).backward()  # gradients are averaged when it returns
+                lm_loss(model, x[lo:hi], y[lo:hi]).backward()  # gradients are averaged when it returns
                 if isinstance(model, BucketedDDP):
                     launched[name].append(model.buckets_launched_in_backward)
                 opt.step()
@@ -91,22 +81,22 @@ def _no_sync_cases():
     rank, world = dist.get_rank(), dist.get_world_size()
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
     mid = (lo + hi) // 2 if hi - lo > 1 else hi
-    x, y = _batches()[0]
+    x, y = token_batches(STEPS, BATCH, SEQ)[0]
     ref = TiedNet(seed=0)
-    _loss(ref, x, y).backward()
+    lm_loss(ref, x, y).backward()
     full = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
     local_ref = TiedNet(seed=0)
-    (_loss(local_ref, x[lo:mid], y[lo:mid]) * (mid - lo) / (hi - lo)).backward()
+    (lm_loss(local_ref, x[lo:mid], y[lo:mid]) * (mid - lo) / (hi - lo)).backward()
     out = {}
     for name, model in {"naive": NaiveDDP(TiedNet(seed=rank)),
                         "bucketed": BucketedDDP(TiedNet(seed=rank), bucket_cap_mb=1e-3)}.items():
         with model.no_sync():
-            (_loss(model, x[lo:mid], y[lo:mid]) * (mid - lo) / (hi - lo)).backward()
+            (lm_loss(model, x[lo:mid], y[lo:mid]) * (mid - lo) / (hi - lo)).backward()
             model.finish_gradient_synchronization()  # a no-op inside no_sync
         inside = max((p.grad - local_ref.get_parameter(n).grad).abs().max().item()
                      for n, p in model.module.named_parameters() if p.grad is not None)
         if mid < hi:
-            (_loss(model, x[mid:hi], y[mid:hi]) * (hi - mid) / (hi - lo)).backward()
+            (lm_loss(model, x[mid:hi], y[mid:hi]) * (hi - mid) / (hi - lo)).backward()
         model.finish_gradient_synchronization()
         synced = max((p.grad - full[n]).abs().max().item()
                      for n, p in model.module.named_parameters() if p.grad is not None)
@@ -120,11 +110,7 @@ def _errors_and_unused():
     res = {}
     for key, call in {"cap": lambda: BucketedDDP(nn.Linear(2, 2), bucket_cap_mb=0),
                       "module": lambda: NaiveDDP(lambda x: x)}.items():
-        try:
-            call()
-            res[key] = None
-        except (TypeError, ValueError) as e:
-            res[key] = str(e)
+        res[key] = error_text(call, (TypeError, ValueError))
     # A layer used only on rank 0: the others contribute zeros, nobody hangs.
     def net():
         torch.manual_seed(0)
@@ -203,24 +189,13 @@ def test_a_missing_peer_times_out_naming_the_bucket():
     assert "Timed out" in message and "rank 0: the all-reduce of bucket 0 (['bias', 'weight'])" in message, message
 
 
-def test_needs_a_process_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    with pytest.raises(RuntimeError, match="not initialised"):
-        NaiveDDP(nn.Linear(2, 2))
+def test_bucket_cap_mb_must_be_positive():  # outside a process group: test_distributed.py
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         BucketedDDP(nn.Linear(2, 2), bucket_cap_mb=-1)
 
 
 def _gpu_equivalence():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank)
-    x, y = (t.to(device) for t in _batches()[0])
-    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
-    ref = TiedNet(seed=0).to(device)
-    _loss(ref, x, y).backward()
-    model = BucketedDDP(TiedNet(seed=rank).to(device), bucket_cap_mb=1e-3)
-    _loss(model, x[lo:hi], y[lo:hi]).backward()
+    model, ref = backward_on_this_gpu(lambda net: BucketedDDP(net, bucket_cap_mb=1e-3), BATCH, SEQ)
     return max((p.grad - ref.get_parameter(n).grad).abs().max().item()
                for n, p in model.module.named_parameters() if p.grad is not None)
 
@@ -319,12 +294,7 @@ def _wrap_twice():
         finally:
             dist.all_reduce = all_reduce
         _forward(ref, torch.ones(2, 3) * 1.5, use_b=True).backward()  # the average of the ranks' inputs
-        try:
-            first(torch.ones(1, 3))
-            old = None
-        except RuntimeError as e:
-            old = str(e)
-        out[name] = dict(calls=list(calls), old=old,
+        out[name] = dict(calls=list(calls), old=error_text(lambda: first(torch.ones(1, 3)), RuntimeError),
                          diff=max((p.grad - ref.get_parameter(n).grad).abs().max().item()
                                   for n, p in net.named_parameters() if p.grad is not None))
     return out

@@ -2,9 +2,11 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import TensorDataset
 
 from mgpu_lab import DistEnv, dist_env, distributed_loader, init_distributed, is_main_process, launch, print0
+from mgpu_lab.runtime.distributed import global_rank, rank_and_world_size
 from conftest import requires_gpus
 
 
@@ -86,9 +88,51 @@ def test_distributed_loader_shards_and_reshuffles_per_epoch():
     assert n0 == n1 == 3
 
 
-def test_distributed_loader_needs_the_group():
-    with pytest.raises(RuntimeError, match="init_distributed"):
-        distributed_loader(TensorDataset(torch.arange(4)), batch_size=2)
+def _needs_a_group():
+    """Each class and function that communicates, called outside any process group."""
+    from mgpu_lab import (FSDP, BucketedDDP, ColumnParallelLinear, ExpertParallelMoE, MoE, NaiveDDP,
+                          PipelineStage, RowParallelLinear, ShardedOptimizer, naive_allreduce, ring_allreduce,
+                          ring_attention)
+    from mgpu_lab.measure.collective_trace import collective_trace
+    q = torch.ones(1, 1, 2, 2)
+    return {
+        "distributed_loader": lambda: distributed_loader(TensorDataset(torch.arange(4)), batch_size=2),
+        "NaiveDDP": lambda: NaiveDDP(nn.Linear(2, 2)),
+        "BucketedDDP": lambda: BucketedDDP(nn.Linear(2, 2)),
+        "FSDP": lambda: FSDP(nn.Linear(2, 2)),
+        "ShardedOptimizer": lambda: ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1),
+        "ColumnParallelLinear": lambda: ColumnParallelLinear(2, 2),
+        "RowParallelLinear": lambda: RowParallelLinear(2, 2),
+        "ExpertParallelMoE": lambda: ExpertParallelMoE.from_moe(MoE(2, 4, 2)),
+        "PipelineStage": lambda: PipelineStage(nn.Linear(2, 2), 0, 2, "cpu"),
+        "ring_attention": lambda: ring_attention(q, q, q),
+        "ring_allreduce": lambda: ring_allreduce(torch.ones(3)),
+        "naive_allreduce": lambda: naive_allreduce(torch.ones(3)),
+        "collective_trace()": lambda: collective_trace().__enter__(),
+    }
+
+
+@pytest.mark.parametrize("who", list(_needs_a_group()))
+def test_whatever_communicates_says_to_join_a_process_group_first(who):
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    with pytest.raises(RuntimeError) as info:
+        _needs_a_group()[who]()
+    assert str(info.value) == (f"{who} needs a process group, and torch.distributed is not initialised: run it "
+                               "inside mgpu_lab.launch(fn, nprocs=N), or in a script started by torchrun or "
+                               "mgpu-lab launch after mgpu_lab.init_distributed()")
+
+
+def test_group_ranks_and_global_ranks():
+    def fn():
+        second = dist.new_group([1])  # every rank makes it; global rank 1 is its rank 0
+        out = [global_rank(None, 1), global_rank(dist.group.WORLD, 1), rank_and_world_size()]
+        if dist.get_rank() == 1:
+            out += [global_rank(second, 0), rank_and_world_size(second)]
+        return out
+
+    assert rank_and_world_size() == (0, 1)  # a process outside any group is rank 0 of 1
+    assert launch(fn, nprocs=2) == [[1, 1, (0, 2)], [1, 1, (1, 2), 1, (0, 1)]]
 
 
 def test_rank_device_is_the_cpu_under_gloo_and_outside_a_group():

@@ -8,9 +8,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from conftest import VOCAB, TinyGPT, parallelize_gpt
+from conftest import VOCAB, TinyGPT, lm_loss, parallelize_gpt
 from mgpu_lab import LaunchError, LossScaler, launch
 from mgpu_lab.measure.collective_trace import collective_trace
 
@@ -22,10 +21,6 @@ def _batch(seed=0, n=4, seq=8):
     return t[:, :-1], t[:, 1:]
 
 
-def _loss(model, x, y):
-    return F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
-
-
 def _norm_on_mesh(dp, tp):
     """The norm over a 2-D model's pieces (DTensors on two meshes and plain tensors mixed)."""
     from mgpu_lab.training.grad_norm import GlobalGradNorm, piece_of
@@ -34,7 +29,7 @@ def _norm_on_mesh(dp, tp):
     model = parallelize_gpt(TinyGPT(seed=0), dp, tp)
     x, y = _batch()
     d = dist.get_rank() // tp
-    _loss(model, x.chunk(dp)[d], y.chunk(dp)[d]).backward()
+    lm_loss(model, x.chunk(dp)[d], y.chunk(dp)[d]).backward()
     params = list(model.parameters())
     names = parameter_names(model)
     meshes = {type(p).__name__ + str(getattr(p, "device_mesh", "")) for p in params}
@@ -47,7 +42,7 @@ def test_the_norm_over_mixed_dtensor_and_plain_pieces_equals_one_process(dp, tp)
     ref = TinyGPT(seed=0)
     x, y = _batch()
     for d in range(dp):  # data-parallel ranks average their gradients: the mean over the parts
-        (_loss(ref, x.chunk(dp)[d], y.chunk(dp)[d]) / dp).backward()
+        (lm_loss(ref, x.chunk(dp)[d], y.chunk(dp)[d]) / dp).backward()
     expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
     for norm, kinds in norms:
         assert kinds >= 2  # DTensor and plain (TP alone), or DTensors on two meshes (2-D)
@@ -60,7 +55,7 @@ def _scaler_on_mesh():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler(init_scale=8.0)
     x, y = _batch()
-    scaler.scale(_loss(model, x, y)).backward()
+    scaler.scale(lm_loss(model, x, y)).backward()
     if dist.get_rank() == 3:
         w = model.blocks["1"].attn.wq.weight.grad
         w.to_local().view(-1)[0] = float("inf")

@@ -4,13 +4,12 @@ default environment reads of the multi-node variables. Skipped (reason shown) wi
 [lightning] extra."""
 import json
 import os
-import subprocess
 import sys
 from unittest import mock
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, finish_session, start_session
 
 L = pytest.importorskip("lightning", reason="PyTorch Lightning missing: pip install 'mgpu-lab[lightning]'")
 from lightning.fabric.plugins.environments import LightningEnvironment  # noqa: E402
@@ -22,18 +21,13 @@ def _start(*argv):
     env = {k: v for k, v in os.environ.items()
            if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return start_session([sys.executable, *argv], env)
 
 
-def _result(proc, timeout=150):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"{SCRIPT} did not finish in {timeout} s:\n{out}\n{err[-3000:]}")
-    assert proc.returncode == 0, err[-3000:]
+def _result(proc):
+    done = finish_session(proc, timeout=150)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, err[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert len(lines) == 1, f"rank 0 alone should print one JSON line, got:\n{out}"
     return json.loads(lines[0])

@@ -132,3 +132,28 @@ def test_the_runner_is_a_process_no_module_imports():
     holds the messages, the placeholder and the command that starts it)."""
     importers = sorted(m for m, deps in _course_graph().items() if "runner" in deps and m != "runner")
     assert not importers, f"modules importing the runner: {importers}"
+
+
+def _library_sources():
+    """``{path relative to mgpu_lab/: syntax tree}`` of the library (the course package aside)."""
+    return {str(p.relative_to(LIB)): ast.parse(p.read_text()) for p in sorted(LIB.rglob("*.py"))
+            if p.relative_to(LIB).parts[0] != "course"}
+
+
+def _uses(tree, attribute):
+    return any(isinstance(n, ast.Attribute) and n.attr == attribute for n in ast.walk(tree))
+
+
+def test_one_helper_per_repeated_idea():
+    sources = _library_sources()
+    # group rank -> global rank: runtime.distributed.global_rank
+    assert [f for f, t in sources.items() if _uses(t, "get_global_rank")] == ["runtime/distributed.py"]
+    # "is torch.distributed ready": runtime.distributed.require_process_group, one message
+    raising = [f for f, t in sources.items() if "not initialised" in ast.unparse(t)]
+    assert raising == ["runtime/distributed.py"], raising
+    # the one-tensor all-gather and reduce-scatter: parallel/comm.py, looked up at each call
+    names = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
+    shims = [f for f, t in sources.items() for n in ast.walk(t)
+             if isinstance(n, ast.Attribute) and n.attr in names and ast.unparse(n.value) == "dist"
+             or isinstance(n, ast.Constant) and n.value in names and f.startswith("parallel/")]
+    assert set(shims) == {"parallel/comm.py"}, shims

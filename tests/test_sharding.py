@@ -19,22 +19,12 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import ATOL, RTOL, VOCAB, TiedNet, requires_gpus
+from conftest import ATOL, RTOL, TiedNet, backward_on_this_gpu, error_text, lm_loss, requires_gpus, token_batches
 from mgpu_lab import FSDP, NaiveDDP, ShardedOptimizer, launch
 from mgpu_lab.parallel.sharding import zero_bytes_per_rank
 from mgpu_lab.parallel.zero import partition_parameters
 
 BATCH, SEQ, STEPS = 12, 5, 3
-
-
-def _batches():
-    g = torch.Generator().manual_seed(1234)
-    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-             torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
-
-
-def _loss(model, x, y):
-    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB).float(), y.reshape(-1))
 
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.5, momentum=0.9)),
@@ -62,18 +52,18 @@ def _sharded_optimizer_cases():
         ours = ShardedOptimizer(_groups(ours_model.module), cls, **kw)
         torch_model = DistributedDataParallel(TiedNet(seed=0))
         theirs = ZeroRedundancyOptimizer(_groups(torch_model.module), optimizer_class=cls, **kw)
-        for step, (x, y) in enumerate(_batches()):
+        for step, (x, y) in enumerate(token_batches(STEPS, BATCH, SEQ)):
             for opt in (ref_opt, ours, theirs):  # a scheduler-like change of one group's lr
                 opt.param_groups[1]["lr"] = kw["lr"] * (1 + step) / 2
             ref_opt.zero_grad()
-            _loss(ref, x, y).backward()
+            lm_loss(ref, x, y).backward()
             ref_opt.step()
             ours.zero_grad()
-            _loss(ours_model, x[lo:hi], y[lo:hi]).backward()
+            lm_loss(ours_model, x[lo:hi], y[lo:hi]).backward()
             ours_model.finish_gradient_synchronization()
             ours.step()
             theirs.zero_grad()
-            _loss(torch_model, x[lo:hi], y[lo:hi]).backward()
+            lm_loss(torch_model, x[lo:hi], y[lo:hi]).backward()
             theirs.step()
         sd = ours.state_dict()
         # Reload into a fresh sharded optimizer and the unsharded one: one more step each.
@@ -85,10 +75,10 @@ def _sharded_optimizer_cases():
         again.load_state_dict(copy.deepcopy(sd))  # torch aliases loaded state tensors
         unsharded = cls(_groups(ref), **kw)
         unsharded.load_state_dict(copy.deepcopy(sd))
-        x, y = _batches()[0]
+        x, y = token_batches(STEPS, BATCH, SEQ)[0]
         for opt, model, xs, ys in ((again, again_model, x[lo:hi], y[lo:hi]), (unsharded, ref, x, y)):
             opt.zero_grad()
-            _loss(model, xs, ys).backward()
+            lm_loss(model, xs, ys).backward()
             if model is again_model:
                 model.finish_gradient_synchronization()
             opt.step()
@@ -117,12 +107,26 @@ def _reference_run(name):
     cls, kw = OPTIMIZERS[name]
     ref = TiedNet(seed=0)
     opt = cls(_groups(ref), **kw)
-    for step, (x, y) in enumerate(_batches()):
+    for step, (x, y) in enumerate(token_batches(STEPS, BATCH, SEQ)):
         opt.param_groups[1]["lr"] = kw["lr"] * (1 + step) / 2
         opt.zero_grad()
-        _loss(ref, x, y).backward()
+        lm_loss(ref, x, y).backward()
         opt.step()
     return [p.detach().clone() for p in ref.parameters()], opt.state_dict()
+
+
+def _partition_by_groups(world):
+    """ShardedOptimizer's partition as partition_parameters gives it: over each group's bytes in turn,
+    continued from what the groups before gave each rank (torch's ZeroRedundancyOptimizer's order)."""
+    model = TiedNet()
+    names = {p: n for n, p in model.named_parameters()}
+    owned, loads = [[] for _ in range(world)], [0] * world
+    for group in _groups(model):
+        sizes = [p.numel() * p.element_size() for p in group["params"]]
+        for r, part in enumerate(partition_parameters(sizes, world, loads=loads)):
+            owned[r] += [names[group["params"][i]] for i in part]
+            loads[r] += sum(sizes[i] for i in part)
+    return owned
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -150,6 +154,7 @@ def test_sharded_optimizer_matches_unsharded_and_zero_redundancy(world):
         owned, r0 = results[0][name]["owned"], results[0][name]
         # every parameter, frozen ones too, partitioned as ZeroRedundancyOptimizer does it
         assert [sorted(o) for o in owned] == [sorted(o) for o in r0["torch_owned"]], (label, owned)
+        assert owned == _partition_by_groups(world), (label, owned)  # one partition function
         assert sorted(n for o in owned for n in o) == sorted(n for n, _ in TiedNet().named_parameters())
         sizes = dict((n, p.numel()) for n, p in TiedNet().named_parameters())
         for rank, res in enumerate(results):  # state only for this rank's trainable parameters
@@ -165,6 +170,10 @@ def test_partition_is_balanced():
         loads = [sum(sizes[i] for i in p) for p in parts]
         assert max(loads) <= sum(sizes) / n + max(sizes), (n, loads)
     assert partition_parameters([512, 256, 256, 16, 16, 100, 7], 2) == [[0, 5], [1, 2, 3, 4, 6]]  # 612 and 551
+    # continued from loads already held: rank 0 holds 50 already, so the large item goes to rank 1
+    assert partition_parameters([100, 10], 2, loads=[50, 0]) == [[1], [0]]
+    with pytest.raises(ValueError, match="one per rank"):
+        partition_parameters([1], 2, loads=[0])
     with pytest.raises(ValueError, match="world_size"):
         partition_parameters([1], 0)
 
@@ -225,12 +234,12 @@ def _fsdp_cases(param_dtype, reduce_dtype=None):
     freed_after_forward, gathered_dtypes, in_forward, grad_diffs = [], set(), [], {}
     probe = ours.module.hidden.register_forward_hook(
         lambda m, a, o: in_forward.append(m.weight.untyped_storage().nbytes()), prepend=True)
-    for x, y in _batches():
+    for x, y in token_batches(STEPS, BATCH, SEQ):
         ref_opt.zero_grad()
-        _loss(ref, x, y).backward()
+        lm_loss(ref, x, y).backward()
         ref_opt.step()
         opt.zero_grad()
-        loss = _loss(ours, x[lo:hi], y[lo:hi])
+        loss = lm_loss(ours, x[lo:hi], y[lo:hi])
         freed_after_forward.append(max(g.full.untyped_storage().nbytes() for g in ours.flat_groups))
         gathered_dtypes |= {g.full.dtype for g in ours.flat_groups}
         loss.backward()
@@ -240,7 +249,7 @@ def _fsdp_cases(param_dtype, reduce_dtype=None):
         freed_after_forward.append(max(g.full.untyped_storage().nbytes() for g in ours.flat_groups))
         opt.step()
         their_opt.zero_grad()
-        _loss(theirs, x[lo:hi], y[lo:hi]).backward()
+        lm_loss(theirs, x[lo:hi], y[lo:hi]).backward()
         their_opt.step()
     probe.remove()
     full = ours.gather_full_params()
@@ -307,11 +316,7 @@ def _fsdp_errors():
                       "load": lambda: ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD,
                                                        lr=0.1).load_state_dict(
                           {"state": {}, "param_groups": [{"params": [0], "lr": 0.1}]})}.items():
-        try:
-            call()
-            res[key] = None
-        except (TypeError, ValueError) as e:
-            res[key] = str(e)
+        res[key] = error_text(call, (TypeError, ValueError))
     # explicit units: a Sequential of blocks, each block one unit, no root parameters
     torch.manual_seed(0)
     seq = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -328,11 +333,7 @@ def _fsdp_errors():
     res["nested"] = FSDP(nested, units=[nested[0], nested[0][1]]).units
     twice = FSDP(nn.Sequential(nn.Linear(2, 2)))
     twice.module.forward = lambda x: twice.module[0](twice.module[0](x))  # one unit, called twice
-    try:
-        twice(torch.ones(1, 2))
-        res["twice"] = None
-    except RuntimeError as e:
-        res["twice"] = str(e)
+    res["twice"] = error_text(lambda: twice(torch.ones(1, 2)), RuntimeError)
     grads = _full_grads(model)
     # every rank ran the same input: the average is the local gradient
     res["grad_diff"] = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
@@ -354,24 +355,8 @@ def test_fsdp_explicit_units_and_bad_input():
                                  "0.1": ["0.1.weight", "0.1.bias"]}, res["nested"]  # the innermost unit
 
 
-def test_needs_a_process_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    with pytest.raises(RuntimeError, match="not initialised"):
-        FSDP(nn.Linear(2, 2))
-    with pytest.raises(RuntimeError, match="not initialised"):
-        ShardedOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
-
-
 def _gpu_fsdp():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank)
-    x, y = (t.to(device) for t in _batches()[0])
-    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
-    ref = TiedNet(seed=0).to(device)
-    _loss(ref, x, y).backward()
-    model = FSDP(TiedNet(seed=rank).to(device))
-    _loss(model, x[lo:hi], y[lo:hi]).backward()
+    model, _ = backward_on_this_gpu(FSDP, BATCH, SEQ)
     return max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
 
 
@@ -431,9 +416,9 @@ def _fsdp_training_pieces():
                         for k, v in other.state_dict().items())
     # no_sync / set_requires_gradient_sync: two micro-batches, the first local; equals the full batch
     # and FSDP2 accumulating the same way
-    x, y = _batches()[0]
+    x, y = token_batches(STEPS, BATCH, SEQ)[0]
     ref = TiedNet(seed=0)
-    _loss(ref, x, y).backward()
+    lm_loss(ref, x, y).backward()
     mid = (lo + hi) // 2
     theirs = _torch_fully_shard(0)
     for name, m in {"no_sync": FSDP(TiedNet(seed=rank)), "set_requires": FSDP(TiedNet(seed=rank)),
@@ -442,11 +427,11 @@ def _fsdp_training_pieces():
         for i, (xs, ys) in enumerate(parts):
             if i == 0 and name == "no_sync":
                 with m.no_sync():
-                    (_loss(m, xs, ys) * len(xs) / (hi - lo)).backward()
+                    (lm_loss(m, xs, ys) * len(xs) / (hi - lo)).backward()
                 res["local_after_no_sync"] = [p.grad for p in m.parameters()]
             else:
                 m.set_requires_gradient_sync(i == 1)
-                (_loss(m, xs, ys) * len(xs) / (hi - lo)).backward()
+                (lm_loss(m, xs, ys) * len(xs) / (hi - lo)).backward()
         grads = _full_grads(m) if name != "fully_shard" else \
             {n: p.grad.full_tensor() for n, p in m.named_parameters() if p.grad is not None}
         res[name] = max((g - ref.get_parameter(n).grad).abs().max().item() for n, g in grads.items())
@@ -462,11 +447,7 @@ def _fsdp_training_pieces():
         grads = _full_grads(m)
         res[f"structured_{dtype}"] = (out.dtype, max((g - plain.get_parameter(n).grad).abs().max().item()
                                                      for n, g in grads.items()))
-    try:
-        FSDP(_Structured(_Unregistered))(pair, extra)
-        res["unregistered"] = None
-    except TypeError as e:
-        res["unregistered"] = str(e)
+    res["unregistered"] = error_text(lambda: FSDP(_Structured(_Unregistered))(pair, extra), TypeError)
     return res
 
 
@@ -515,12 +496,12 @@ def _zero_like_torch():
         model = DistributedDataParallel(TiedNet(seed=0))
         opt = make(_groups(model.module))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        for step, (x, y) in enumerate(_batches()):
+        for step, (x, y) in enumerate(token_batches(STEPS, BATCH, SEQ)):
             if step == 1:
                 model.module.frozen.weight.requires_grad_(True)
                 model = DistributedDataParallel(model.module)  # DDP reads requires_grad at construction
             opt.zero_grad()
-            _loss(model, x[lo:hi], y[lo:hi]).backward()
+            lm_loss(model, x[lo:hi], y[lo:hi]).backward()
             opt.step()
             sched.step()
         runs[name] = dict(groups=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
@@ -530,11 +511,7 @@ def _zero_like_torch():
             if rank == 0:
                 runs[name]["sd"] = opt.state_dict()
             elif name == "ours":
-                try:
-                    opt.state_dict()
-                    runs[name]["sd_elsewhere"] = None
-                except RuntimeError as e:
-                    runs[name]["sd_elsewhere"] = str(e)
+                runs[name]["sd_elsewhere"] = error_text(opt.state_dict, RuntimeError)
     res["runs"] = runs
     unfrozen = runs["ours"]["weights"]["frozen.weight"]
     res["unfrozen_moved"] = (unfrozen - TiedNet(seed=0).frozen.weight).abs().max().item()
@@ -543,11 +520,11 @@ def _zero_like_torch():
     for name, opt_cls in {"ours": ShardedOptimizer, "torch": ZeroRedundancyOptimizer}.items():
         model = DistributedDataParallel(TiedNet(seed=0))
         opt = opt_cls([p for p in model.parameters() if p.requires_grad], optimizer_class=_KwargSGD, lr=0.1)
-        x, y = _batches()[0]
+        x, y = token_batches(STEPS, BATCH, SEQ)[0]
 
         def closure():
             opt.zero_grad()
-            loss = _loss(model, x[lo:hi], y[lo:hi])
+            loss = lm_loss(model, x[lo:hi], y[lo:hi])
             loss.backward()
             return loss
         loss = opt.step(closure, factor=0.5)

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mgpu_lab
-from conftest import requires_gpus
+from conftest import error_text, requires_gpus
 from mgpu_lab import (BucketedDDP, ColumnParallelLinear, FSDP, LossScaler, NaiveDDP, RowParallelLinear,
                       ShardedOptimizer, checkpoint, checkpoint_sequential, launch, vocab_parallel_cross_entropy)
 
@@ -192,11 +192,7 @@ def _sparse_cases():
     dense = nn.Embedding(10, 3)  # the gradient of the mean of both ranks' losses, in one process
     (dense(torch.tensor([0, 5])).sum() + dense(torch.tensor([1, 5])).sum()).div(2).backward()
     res["full_batch"] = dense.weight.grad
-    try:
-        BucketedDDP(nn.Embedding(10, 3, sparse=True))
-        res["bucketed"] = None
-    except ValueError as e:
-        res["bucketed"] = str(e)
+    res["bucketed"] = error_text(lambda: BucketedDDP(nn.Embedding(10, 3, sparse=True)), ValueError)
     return res
 
 
@@ -383,11 +379,8 @@ def _zero_distributed():
             opt.step()
         weights[name] = [p.detach().clone() for p in model.parameters()]
     res["weights"] = weights
-    try:
-        ShardedOptimizer([nn.Parameter(torch.ones(1))], torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
-        res["overlap"] = None
-    except NotImplementedError as e:
-        res["overlap"] = str(e)
+    res["overlap"] = error_text(lambda: ShardedOptimizer([nn.Parameter(torch.ones(1))], torch.optim.SGD,
+                                                         overlap_with_ddp=True, lr=0.1), NotImplementedError)
     return res
 
 
@@ -425,11 +418,8 @@ def _fsdp_keywords():
         out = model(x)
         out.float().sum().backward()
         res[name] = out.detach().float()
-    try:
-        FSDP(nn.Linear(2, 2), torch.bfloat16)  # a positional dtype, as before: FSDP2's options are keywords
-        res["positional"] = None
-    except TypeError as e:
-        res["positional"] = str(e)
+    # a positional dtype, as before: FSDP2's options are keywords
+    res["positional"] = error_text(lambda: FSDP(nn.Linear(2, 2), torch.bfloat16), TypeError)
     return res
 
 

@@ -62,6 +62,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed import distributed_c10d as c10d
 
 from ..runtime._diagnosis import collective_failed, peer_died
+from ..runtime.distributed import require_process_group
 
 from .trace_compare import _END, P2P, Divergence, _key, describe, format_report
 
@@ -88,8 +89,11 @@ _ROOT_ARG = {"broadcast": (1, "src"), "reduce": (1, "dst"), "gather": (2, "dst")
 _TIMED = {"all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
           "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
           "gather", "scatter", "barrier"}
+_LIB = os.path.dirname(os.path.dirname(__file__))
+# frames never named as a call site: torch, this module, functools, launch, and the library's
+# pass-through to torch's all-gather and reduce-scatter (its caller is named instead)
 _SKIP_FILES = (os.path.dirname(torch.__file__), __file__.rstrip("c"), os.path.dirname(functools.__file__),
-               os.path.join(os.path.dirname(os.path.dirname(__file__)), "runtime", "launch.py"))  # noqa: E501
+               os.path.join(_LIB, "runtime", "launch.py"), os.path.join(_LIB, "parallel", "comm.py"))
 _trace_ids = itertools.count()
 _local = threading.local()  # per thread: depth of nested traced calls
 _active: List["CollectiveTrace"] = []  # the patching is per process: one trace at a time
@@ -120,9 +124,7 @@ class CollectiveTrace(ContextDecorator):
 
     # ------------------------------------------------------------------ activation
     def __enter__(self) -> "CollectiveTrace":
-        if not dist.is_initialized():
-            raise RuntimeError("collective_trace(): no process group yet; enter it inside launch() or after "
-                               "init_distributed()")
+        require_process_group("collective_trace()")
         if _active:
             raise RuntimeError("collective_trace(): a trace is already active in this process")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

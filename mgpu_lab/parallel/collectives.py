@@ -35,6 +35,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..runtime.distributed import global_rank, require_process_group
+
 OPS = ("sum", "avg", "max", "min", "product")
 
 
@@ -162,7 +164,7 @@ def simulate_ring_allreduce(tensors: List[torch.Tensor], op: str = "sum") -> Lis
 
 # --------------------------------------------------------------------------- checks
 
-def _check(tensor: torch.Tensor, op: str, group) -> Tuple[torch.Tensor, int, int]:
+def _check(tensor: torch.Tensor, op: str, group, who: str) -> Tuple[torch.Tensor, int, int]:
     """Validate input; return (flat contiguous working tensor, rank, world_size)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -174,9 +176,7 @@ def _check(tensor: torch.Tensor, op: str, group) -> Tuple[torch.Tensor, int, int
     if op == "avg" and not tensor.is_floating_point():
         raise TypeError(f"op='avg' on {tensor.dtype} would have to round: use op='sum' "
                         "and divide yourself, or convert the tensor to a float dtype")
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: run inside "
-                           "mgpu_lab.launch(...) or call mgpu_lab.init_distributed() first")
+    require_process_group(who)
     backend = dist.get_backend(group)
     if backend == "nccl" and tensor.device.type != "cuda":
         raise ValueError(f"the nccl backend needs a CUDA tensor, got one on {tensor.device}: "
@@ -254,11 +254,6 @@ def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     return kept[like.dtype][:numel]
 
 
-def _peer(group, group_rank: int) -> int:
-    """The global rank that isend/irecv address, for a rank within ``group``."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
 def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -282,11 +277,11 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "sum", group=None) -> CommSta
     of scratch memory to receive into (kept for the next call: see
     ``_receive_buffer``). Returns this rank's ``CommStats``.
     """
-    flat, rank, world = _check(tensor, op, group)
+    flat, rank, world = _check(tensor, op, group, "ring_allreduce")
     stats = CommStats()
     if world > 1:
         chunks: List[torch.Tensor] = list(torch.tensor_split(flat, world))
-        right, left = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+        right, left = global_rank(group, (rank + 1) % world), global_rank(group, (rank - 1) % world)
         scratch = _receive_buffer(chunks[0].numel(), flat)  # chunk 0 is the largest
         for i, (phase, messages) in enumerate(ring_schedule(world)):
             if i == world - 1 and op == "avg":
@@ -320,14 +315,14 @@ def naive_allreduce(tensor: torch.Tensor, root: int = 0, group=None, *,
     adds the contributions in rank order and needs (N-1)·S of scratch memory.
     ``root`` is a rank within ``group``.
     """
-    flat, rank, world = _check(tensor, op, group)
+    flat, rank, world = _check(tensor, op, group, "naive_allreduce")
     if not 0 <= root < world:
         raise ValueError(f"root={root} is not a rank of this group (world_size={world})")
     stats = CommStats()
     if world > 1:
         if rank == root:
             others = [r for r in range(world) if r != root]
-            peers = [_peer(group, r) for r in others]
+            peers = [global_rank(group, r) for r in others]
             bufs = {r: torch.empty_like(flat) for r in others}
             _p2p([(dist.irecv, bufs[r], p) for r, p in zip(others, peers)], group,
                  f"receiving from ranks {peers}")
@@ -341,7 +336,7 @@ def naive_allreduce(tensor: torch.Tensor, root: int = 0, group=None, *,
             nbytes = _nbytes(flat) * (world - 1)
             stats = CommStats(nbytes, nbytes, 2)
         else:
-            server = _peer(group, root)
+            server = global_rank(group, root)
             _p2p([(dist.isend, flat, server)], group, f"sending to root rank {server}")
             _p2p([(dist.irecv, flat, server)], group, f"receiving from root rank {server}")
             stats = CommStats(_nbytes(flat), _nbytes(flat), 2)

@@ -39,6 +39,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..runtime.distributed import global_rank, require_process_group
 from .sequence_layout import local_positions
 
 Block = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # rows, cols, mask
@@ -51,17 +52,17 @@ class _Exchange:
 
     def __init__(self, tensors: List[torch.Tensor], group):
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        nxt, prv = (r + 1) % n, (r - 1) % n
+        nxt, prv = global_rank(group, (r + 1) % n), global_rank(group, (r - 1) % n)
         self.sent = [t.contiguous() for t in tensors]   # kept alive until the sends complete
         self.bufs = [torch.empty_like(t) for t in self.sent]
         self.posted = time.perf_counter()
         if self.sent[0].is_cuda:  # NCCL: one group, so that a send and a receive between two GPUs cannot block
-            ops = [dist.P2POp(dist.isend, t, group=group, group_peer=nxt) for t in self.sent]
-            self.works = dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, b, group=group, group_peer=prv)
+            ops = [dist.P2POp(dist.isend, t, group=group, peer=nxt) for t in self.sent]
+            self.works = dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, b, group=group, peer=prv)
                                                        for b in self.bufs])
         else:
-            self.works = [dist.isend(t, group=group, group_dst=nxt) for t in self.sent]
-            self.works += [dist.irecv(b, group=group, group_src=prv) for b in self.bufs]
+            self.works = [dist.isend(t, nxt, group=group) for t in self.sent]
+            self.works += [dist.irecv(b, prv, group=group) for b in self.bufs]
 
     def wait(self, timer, step) -> List[torch.Tensor]:
         start = time.perf_counter()
@@ -241,9 +242,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     ``group`` calls it with the same shapes. ``timeline``: a list that receives this rank's
     ``(phase, kind, step, start, end)`` spans, kind "compute", "wait" or "comm".
     """
-    if not dist.is_initialized():
-        raise RuntimeError("ring_attention needs a process group: call it inside mgpu_lab.launch(...) "
-                           "or after mgpu_lab.init_distributed()")
+    require_process_group("ring_attention")
     if q.dim() != 4 or k.shape != q.shape or v.shape[:-1] != q.shape[:-1]:
         raise ValueError("ring_attention: q, k, v are [batch, heads, seq_local, head_dim] with the same batch, "
                          f"heads and sequence (k with q's head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, "

@@ -72,6 +72,8 @@ from torch import nn
 from torch._utils import _unflatten_dense_tensors
 from torch.utils._pytree import tree_map_only
 
+from ..runtime.distributed import global_rank, require_process_group
+
 _live_wrapper: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
@@ -82,9 +84,7 @@ class _DataParallelBase(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: build the model inside "
-                               "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
+        require_process_group(type(self).__name__)
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -161,7 +161,7 @@ class _DataParallelBase(nn.Module):
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
         """Make every replica start from rank 0's weights (N·model bytes from rank 0)."""
-        src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+        src = global_rank(self.process_group, 0)
         for _, t in self._named_tensors():
             buf = t.detach() if t.is_contiguous() else t.detach().contiguous()
             dist.broadcast(buf, src=src, group=self.process_group)

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.distributed import global_rank, require_process_group
+from .comm import all_gather_single
 from .moe import MoE, capacity, choice_counts, load_balancing_loss, route, slot_positions
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _AllToAll(torch.autograd.Function):
@@ -80,6 +80,7 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, router: nn.Linear, experts: nn.ModuleList, num_experts: int, top_k: int,
                  capacity_factor, group=None):
         super().__init__()
+        require_process_group("ExpertParallelMoE")
         n = dist.get_world_size(group)
         if num_experts % n:
             raise ValueError(f"{num_experts} experts cannot be split evenly over {n} ranks: choose a number of "
@@ -92,9 +93,7 @@ class ExpertParallelMoE(nn.Module):
     @classmethod
     def from_moe(cls, moe: MoE, group=None) -> "ExpertParallelMoE":
         """Rank r's part of ``moe`` (group rank 0's weights: every rank ends up with the same model)."""
-        if not dist.is_initialized():
-            raise RuntimeError("ExpertParallelMoE needs a process group: build it inside mgpu_lab.launch(...) "
-                               "or after mgpu_lab.init_distributed()")
+        require_process_group("ExpertParallelMoE")
         n, r, E = dist.get_world_size(group), dist.get_rank(group), moe.num_experts
         if E % n:
             raise ValueError(f"{E} experts cannot be split evenly over {n} ranks: choose a number of "
@@ -102,7 +101,7 @@ class ExpertParallelMoE(nn.Module):
         weight = moe.router.weight
         full = MoE(moe.hidden, moe.ffn, E, moe.top_k, moe.capacity_factor).to(weight.device, weight.dtype)
         full.load_state_dict(moe.state_dict())                       # a copy: the plain layer stays as it was
-        src = 0 if group is None else dist.get_global_rank(group, 0)
+        src = global_rank(group, 0)
         with torch.no_grad():
             for p in full.parameters():
                 dist.broadcast(p.data, src=src, group=group)
@@ -118,7 +117,7 @@ class ExpertParallelMoE(nn.Module):
         # 1. counts: every rank's [k, E] table, then who keeps what
         table = choice_counts(experts, E)
         tables = table.new_empty((n * k, E))
-        _all_gather_single(tables, table, group=group)
+        all_gather_single(tables, table, group=group)
         tables = tables.view(n, k, E)                                            # [N, k, E]
         total = tables.sum(0)
         T_all = int(total.sum()) // k

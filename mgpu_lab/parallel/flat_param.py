@@ -21,8 +21,8 @@ the gathered full vector.
   With ``reduce_grads`` off (``no_sync``) the full gradient is kept and added up
   locally instead, and reduce-scattered with the next synchronised one.
 
-``Comm`` issues the two collectives (looked up in ``torch.distributed`` at each
-call, so instruments such as ``collective_trace`` see them) and counts the bytes
+``Comm`` issues the two collectives (through ``comm.py``, which looks them up in
+``torch.distributed`` at each call, so ``collective_trace`` sees them) and counts the bytes
 this rank sends: one ``all_gather`` per gather and one ``reduce_scatter`` per
 synchronised backward, each Ψ_unit·(N-1)/N.
 """
@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime._diagnosis import collective_failed
+from ..runtime.distributed import global_rank
+from .comm import all_gather_single, reduce_scatter_single
 
 
 class Comm:
@@ -43,18 +45,16 @@ class Comm:
     def __init__(self, group=None):
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.src = 0 if group is None else dist.get_global_rank(group, 0)
+        self.src = global_rank(group, 0)
         self.bytes = {"all-gather": 0, "reduce-scatter": 0}  # sent by this rank, computed
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         self.bytes["all-gather"] += (self.world_size - 1) * shard.numel() * out.element_size()
-        # torch >= 2.13 names them *_single (the *_tensor names warn); older ones only have *_tensor
-        self._run(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor, out, shard, "all-gather")
+        self._run(all_gather_single, out, shard, "all-gather")
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
         self.bytes["reduce-scatter"] += (self.world_size - 1) * out.numel() * full.element_size()
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return self._run(fn, out, full, "reduce-scatter", async_op=True)
+        return self._run(reduce_scatter_single, out, full, "reduce-scatter", async_op=True)
 
     def _run(self, fn, out, inp, what: str, async_op: bool = False):
         try:

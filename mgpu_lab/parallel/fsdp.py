@@ -70,6 +70,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from ..runtime.distributed import require_process_group
 from .flat_param import Comm, FlatGroup
 
 
@@ -93,9 +94,7 @@ class FSDP(nn.Module):
             raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
         _check_dtype("param_dtype", param_dtype)
         _check_dtype("reduce_dtype", reduce_dtype)
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: build the model inside "
-                               "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
+        require_process_group("FSDP")
         self.module, self.process_group = module, process_group
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._comm = Comm(process_group)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.distributed import rank_device
+from ..runtime.distributed import global_rank, rank_device, require_process_group
 
 MAX_DIMS = 8
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
@@ -58,8 +58,7 @@ class _Link:
 
     def peer(self, stage: int) -> str:
         rank = stage % self.size
-        global_rank = rank if self.group is None else dist.get_global_rank(self.group, rank)
-        return f"stage {stage} (rank {global_rank})"
+        return f"stage {stage} (rank {global_rank(self.group, rank)})"
 
     def send(self, tensor: torch.Tensor, kind: int, to_stage: int, k: int) -> None:
         if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPES:
@@ -74,7 +73,7 @@ class _Link:
         header = torch.tensor(header + [DTYPES.index(tensor.dtype)], dtype=torch.int64, device=self.device)
         what = f"{KINDS[kind]} of micro-batch {k}"
         for t in (header, tensor):
-            self._pending.append((dist.P2POp(dist.isend, t, group=self.group, group_peer=to), what, to))
+            self._pending.append((dist.P2POp(dist.isend, t, global_rank(self.group, to), group=self.group), what, to))
 
     def receive(self, kind: int, stage: int, k: int, from_stage: int) -> torch.Tensor:
         """The tensor of ``kind`` for ``stage``'s micro-batch ``k``, sent by ``from_stage``."""
@@ -95,7 +94,7 @@ class _Link:
 
     def _receive(self, tensor, frm: int, stage: int, what: str, from_stage: int) -> torch.Tensor:
         """Post the pending sends and this receive together; wait for the receive."""
-        op = dist.P2POp(dist.irecv, tensor, group=self.group, group_peer=frm)
+        op = dist.P2POp(dist.irecv, tensor, global_rank(self.group, frm), group=self.group)
         works = self._post([(op, what, frm)])
         self._wait(works[-1], f"pipeline stage {stage} waited for {self.peer(from_stage)} to send {what}", frm)
         return tensor
@@ -151,9 +150,7 @@ class PipelineStage:
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, device=None, *,
                  group=None, timeout: float = 300.0):
-        if not dist.is_initialized():
-            raise RuntimeError("PipelineStage: torch.distributed is not initialised; build the stage inside "
-                               "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
+        require_process_group("PipelineStage")
         if isinstance(device, dist.ProcessGroup):
             raise TypeError("PipelineStage(module, stage_index, num_stages, device, group=...): the fourth "
                             "argument is the device (torch's order); pass the process group as group=")

@@ -31,7 +31,7 @@ from typing import Dict, Iterator, Tuple
 import torch
 import torch.distributed as dist
 
-from ..runtime.distributed import rank_device
+from ..runtime.distributed import global_rank, rank_device
 
 MODEL_PARALLEL_OFFSET = 2718   # Megatron's: the model-parallel seed is seed + 2718 + tp_rank
 REPLICATED, MODEL_PARALLEL = "replicated", "model-parallel"
@@ -87,7 +87,7 @@ def model_parallel_rng(group=None, seed=None) -> RNGStatesTracker:
         agreed = torch.tensor([int(seed)], dtype=torch.int64)
         if dist.get_backend(group) == "nccl":
             agreed = agreed.to(rank_device())
-        dist.broadcast(agreed, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        dist.broadcast(agreed, src=global_rank(group, 0), group=group)
         seed, rank = agreed.item(), dist.get_rank(group)
     else:
         rank = 0

@@ -44,16 +44,15 @@ come from one model, as DDP broadcasts rank 0's parameters.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from ..runtime.distributed import global_rank, require_process_group
+from .comm import all_gather_single, reduce_scatter_single
+
 SEQ_DIM = 1
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def check_divisible(size: int, world_size: int, what: str) -> int:
@@ -84,7 +83,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((n * x.shape[0],) + x.shape[1:])
-    _all_gather_single(out, x, group=group)
+    all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -94,7 +93,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     check_divisible(x.shape[dim], n, f"dimension {dim} of a {tuple(x.shape)} tensor")
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // n,) + x.shape[1:])
-    _reduce_scatter_single(out, x, group=group)
+    reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -210,7 +209,7 @@ def reduce_scatter_to_sequence_parallel_region(x, group=None):
 def _rank0_copy(t: torch.Tensor, group) -> torch.Tensor:
     """A copy of ``t`` as rank 0 of ``group`` holds it (the shards come from one model)."""
     t = t.detach().clone()
-    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    dist.broadcast(t, src=global_rank(group, 0), group=group)
     return t
 
 
@@ -219,9 +218,7 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
         super().__init__()
-        if not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__}: torch.distributed is not initialised; build it "
-                               "inside mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
+        require_process_group(type(self).__name__)
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{type(self).__name__}.from_linear expects an nn.Linear, got {type(linear).__name__}")
         self.group, self.sequence_parallel = group, sequence_parallel

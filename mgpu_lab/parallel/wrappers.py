@@ -37,6 +37,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
+from ..runtime.distributed import global_rank, rank_and_world_size
 from .data_parallel import DataParallel
 from .ddp import _DataParallelBase
 from .fsdp import FSDP
@@ -213,7 +214,7 @@ def optimizer_state_dict(model: nn.Module, optimizer) -> Any:
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
     model, kind = _compiled(model), wrapper_kind(model)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rank_and_world_size()[0]
     if isinstance(optimizer, (ShardedOptimizer, ZeroRedundancyOptimizer)):
         optimizer.consolidate_state_dict(to=0)
         return optimizer.state_dict() if rank == 0 else None
@@ -223,8 +224,7 @@ def optimizer_state_dict(model: nn.Module, optimizer) -> Any:
     if kind == "fsdp":
         group = model.process_group
         parts = [None] * dist.get_world_size(group) if model.rank == 0 else None
-        dst = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.gather_object(optimizer.state_dict(), parts, dst=dst, group=group)
+        dist.gather_object(optimizer.state_dict(), parts, dst=global_rank(group, 0), group=group)
         return {"per_rank": parts}
     return optimizer.state_dict()
 

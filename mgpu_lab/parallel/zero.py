@@ -56,17 +56,24 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..runtime.distributed import global_rank, require_process_group
 
-def partition_parameters(sizes: Sequence[int], world_size: int) -> List[List[int]]:
+
+def partition_parameters(sizes: Sequence[int], world_size: int,
+                         loads: Optional[Sequence[int]] = None) -> List[List[int]]:
     """Assign items of the given sizes to ``world_size`` ranks, balanced by size.
 
     Greedy, largest first, each to the currently lightest rank (ties: lowest rank,
     then lowest index). Returns per rank the sorted indices it owns. The heaviest
-    rank carries at most (total / N + largest item) bytes.
+    rank carries at most (total / N + largest item) bytes. ``loads``: what each rank
+    already holds (default nothing), to continue a partition: ``ShardedOptimizer``
+    partitions group after group this way, as torch's ZeroRedundancyOptimizer does.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    loads, owned = [0] * world_size, [[] for _ in range(world_size)]
+    if loads is not None and len(loads) != world_size:
+        raise ValueError(f"loads holds {len(loads)} numbers for {world_size} ranks: give one per rank")
+    loads, owned = [0] * world_size if loads is None else list(loads), [[] for _ in range(world_size)]
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
         r = min(range(world_size), key=lambda r: (loads[r], r))
         owned[r].append(i)
@@ -106,9 +113,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if overlap_with_ddp:
             raise NotImplementedError("ShardedOptimizer(overlap_with_ddp=True): stepping inside DDP's communication "
                                       "hook is torch's ZeroRedundancyOptimizer's alone; step after backward here")
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: build the optimizer inside "
-                               "mgpu_lab.launch(...) or after mgpu_lab.init_distributed()")
+        require_process_group("ShardedOptimizer")
         self.process_group = process_group
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.optimizer_class = optimizer_class
@@ -130,12 +135,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ partition
     def _assign(self, params: List[torch.Tensor]) -> None:
-        new = [p for p in params if p not in self._owner]
+        """An owner for each parameter not seen yet: ``partition_parameters`` over their bytes,
+        continued from what the groups before gave each rank."""
+        new = list(dict.fromkeys(p for p in params if p not in self._owner))
         sizes = [p.numel() * p.element_size() for p in new]
-        for i in sorted(range(len(new)), key=lambda i: (-sizes[i], i)):
-            r = min(range(self.world_size), key=lambda r: (self._loads[r], r))
-            self._owner[new[i]] = r
-            self._loads[r] += sizes[i]
+        for r, owned in enumerate(partition_parameters(sizes, self.world_size, loads=self._loads)):
+            for i in owned:
+                self._owner[new[i]] = r
+                self._loads[r] += sizes[i]
 
     def _local_group(self, group: Dict[str, Any]) -> Dict[str, Any]:
         self._assign(group["params"])
@@ -190,7 +197,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             params = [p for p in params if p.requires_grad]
             if not params:
                 continue
-            src = r if self.process_group is None else dist.get_global_rank(self.process_group, r)
+            src = global_rank(self.process_group, r)
             if self.parameters_as_bucket_view:
                 dist.broadcast(self._buckets[r], src=src, group=self.process_group)
                 continue
@@ -229,8 +236,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Gather every rank's part of the optimizer state on rank ``to`` (every rank calls it);
         then call ``state_dict()`` there."""
         parts: Optional[List[Any]] = [None] * self.world_size if self.rank == to else None
-        dst = to if self.process_group is None else dist.get_global_rank(self.process_group, to)
-        dist.gather_object(self._local_state(), parts, dst=dst, group=self.process_group)
+        dist.gather_object(self._local_state(), parts, dst=global_rank(self.process_group, to),
+                           group=self.process_group)
         self._consolidated = {i: s for part in parts for i, s in part.items()} if parts is not None else None
         self._consolidated_to = to
 

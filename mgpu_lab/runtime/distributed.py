@@ -32,7 +32,7 @@ import re
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -203,6 +203,36 @@ def cleanup(exit: bool = False) -> None:
         os._exit(0)
 
 
+def require_process_group(who: str) -> None:
+    """Raise one clear error when ``who`` (a class or function that communicates) runs before
+    ``torch.distributed`` is initialised: every rank must first join a process group."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{who} needs a process group, and torch.distributed is not initialised: run it "
+                           "inside mgpu_lab.launch(fn, nprocs=N), or in a script started by torchrun or "
+                           "mgpu-lab launch after mgpu_lab.init_distributed()")
+
+
+def rank_and_world_size(group=None) -> Tuple[int, int]:
+    """This process's rank in ``group`` and the group's size; ``(0, 1)`` in a process that
+    joined no group (a plain single-process run, where "every rank" is this one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of rank ``group_rank`` of ``group`` (``None``: the default group, the same number).
+
+    ``src=``, ``dst=`` and the point-to-point calls take *global* ranks, whatever ``group``
+    is. ``dist.get_global_rank`` translates, but refuses ``None``; this accepts it. (torch
+    >= 2.6 also takes group ranks as ``group_src=``/``group_dst=``/``group_peer=``; this works
+    on every torch the library supports, and tools that read ``src=`` still see the root.)
+    """
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
 def rank_device() -> torch.device:
     """This rank's device: ``cuda:LOCAL_RANK`` when the group runs NCCL, else the CPU.
 
@@ -237,8 +267,7 @@ class DistributedLoader:
 
     def __init__(self, dataset: Dataset, batch_size: int, shuffle: bool = True, drop_last: bool = False,
                  seed: int = 0, **loader_kwargs):
-        if not dist.is_initialized():
-            raise RuntimeError("distributed_loader needs the process group: call init_distributed() first")
+        require_process_group("distributed_loader")
         self.sampler = DistributedSampler(dataset, shuffle=shuffle, drop_last=drop_last, seed=seed)
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, **loader_kwargs)
 

@@ -3,8 +3,8 @@
 1. **Atomic**: ``save_checkpoint`` writes to a temporary file in the same folder,
    flushes and fsyncs it, then ``os.replace``-s it over the old name (a rename
    is atomic on one file system) and fsyncs the folder so the rename itself
-   survives a power cut. A crash or a SIGKILL mid-write leaves the previous
-   checkpoint whole (and at worst a stray ``.NAME.*.tmp`` file). Under a process
+   survives a power cut (``atomic_file.py``). A crash or a SIGKILL mid-write leaves
+   the previous checkpoint whole (and at worst a stray ``.NAME.*.tmp`` file). Under a process
    group only rank 0 writes; the others wait at a barrier until it is done, so
    nobody reads a file that is not there yet. Cost: one file write and one
    barrier per save.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Dict
@@ -30,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..runtime._diagnosis import peer_died
+from ..runtime.distributed import rank_and_world_size
+from .atomic_file import write_atomically
 
 _SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
                 torch.Size)
@@ -51,10 +52,10 @@ def save_checkpoint(path: str, **state: Any) -> None:
     if not state:
         raise ValueError("save_checkpoint(path, **state): give what to save, e.g. model=model.state_dict()")
     _check_loadable(state, "state")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank, world = rank_and_world_size()
     if rank == 0:
-        _atomic_save(state, os.fspath(path))
-    if dist.is_initialized() and dist.get_world_size() > 1:
+        write_atomically(os.fspath(path), lambda f: torch.save(state, f))
+    if world > 1:
         _barrier(f"save_checkpoint({os.fspath(path)!r})")
 
 
@@ -77,33 +78,6 @@ def load_checkpoint(path: str, map_location=None) -> Dict[str, Any]:
             "Refused: nothing in it ran. Checkpoints from save_checkpoint hold only tensors, numbers, strings "
             "and containers. Only if you made this file yourself and trust it: torch.load(path, weights_only=False)."
         ) from None
-
-
-def _atomic_save(state: Dict[str, Any], path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual file mode
-        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never a mix
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if hasattr(os, "O_DIRECTORY"):  # POSIX: make the rename itself durable
-        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 def _check_loadable(obj: Any, where: str) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime._diagnosis import collective_failed
+from ..runtime.distributed import rank_and_world_size
 
 try:
     from torch.distributed.tensor import DTensor
@@ -47,9 +48,10 @@ def piece_of(param: torch.Tensor, names: Sequence[str], flat_rank: int = -1) -> 
 
 def replication(pieces: List[Piece]) -> List[int]:
     """For each of this rank's pieces, how many ranks hold it (a collective, once)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    world = rank_and_world_size()[1]
+    if world == 1:
         return [1] * len(pieces)
-    everyone: List = [None] * dist.get_world_size()
+    everyone: List = [None] * world
     dist.all_gather_object(everyone, pieces)
     counts: Dict[Piece, int] = {}
     for theirs in everyone:
@@ -81,7 +83,7 @@ class GlobalGradNorm:
         if local:
             norms = torch.stack([n.to(torch.float64) for n in torch._foreach_norm(local)]).to(device)
             total = (norms.square() * torch.tensor(weights, dtype=torch.float64, device=device)).sum()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if rank_and_world_size()[1] > 1:
             if dist.get_backend() == "nccl" and total.device.type != "cuda":
                 total = total.cuda()
             try:

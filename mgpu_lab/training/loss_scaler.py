@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime._diagnosis import collective_failed
+from ..runtime.distributed import rank_and_world_size
 
 READY, UNSCALED, STEPPED = "ready", "unscaled", "stepped"  # per-optimizer stage within an iteration
 
@@ -175,8 +176,7 @@ class LossScaler:
             found_inf = torch.maximum(found_inf, bad.to(found_inf.device, non_blocking=True))
             if inv_scale is not None:
                 torch._foreach_mul_(grads, inv_scale.to(device, non_blocking=True))
-        if self.sync_ranks and dist.is_available() and dist.is_initialized() \
-                and dist.get_world_size(self.group) > 1:
+        if self.sync_ranks and rank_and_world_size(self.group)[1] > 1:
             # Every rank must take the same decision: skip if any rank overflowed.
             flag = found_inf
             if dist.get_backend(self.group) == "nccl" and flag.device.type != "cuda":

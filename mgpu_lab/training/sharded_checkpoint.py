@@ -18,8 +18,8 @@ folder of generations::
 replaces ``latest`` (two atomic renames): a crash at any moment leaves ``latest``
 pointing at a complete generation. Older generations are removed after the switch.
 ``meta.pt`` holds what is not a tensor (step, RNG states, scheduler, parameter groups),
-written by rank 0 with :func:`~mgpu_lab.training.train_state.save_checkpoint`'s
-atomic write. Tensors live under ``model/<name>`` and ``optim/<name>/<state key>``.
+written by rank 0 atomically (``atomic_file.py``, as ``save_checkpoint`` writes). Tensors
+live under ``model/<name>`` and ``optim/<name>/<state key>``.
 """
 from __future__ import annotations
 
@@ -30,30 +30,14 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..runtime.distributed import rank_and_world_size
+from .atomic_file import fsync_dir, write_atomically
+
 LATEST = "latest"
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _fsync_dir(folder: str) -> None:
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    write_atomically(path, lambda f: f.write(text.encode()))
 
 
 def latest(path: str) -> Optional[str]:
@@ -70,7 +54,7 @@ def latest(path: str) -> Optional[str]:
 
 
 def save(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], step: int,
-         write_meta: Callable[[Dict[str, Any], str], None], barrier: Callable[[str], None]) -> str:
+         barrier: Callable[[str], None]) -> str:
     """Every rank calls it with its own ``tensors``; rank 0 also writes ``meta``. Returns the folder."""
     import torch.distributed.checkpoint as dcp
     path = os.fspath(path)
@@ -78,21 +62,21 @@ def save(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], step
         raise FileExistsError(f"{path!r} is a file (a one-file checkpoint): a sharded checkpoint is a folder; "
                               "give another path")
     name = [f"step-{step:08d}-{uuid.uuid4().hex[:6]}"]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if rank_and_world_size()[1] > 1:
         dist.broadcast_object_list(name, src=0)  # every rank writes into the same folder
     tmp, final = os.path.join(path, f".{name[0]}.tmp"), os.path.join(path, name[0])
     os.makedirs(tmp, exist_ok=True)
     dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    if _rank() == 0:
-        write_meta(meta, os.path.join(tmp, "meta.pt"))
-        _fsync_dir(tmp)
+    if rank_and_world_size()[0] == 0:
+        write_atomically(os.path.join(tmp, "meta.pt"), lambda f: torch.save(meta, f))
+        fsync_dir(tmp)
         os.replace(tmp, final)               # 1. the generation is complete under its name
-        _fsync_dir(path)
+        fsync_dir(path)
         _write_text(os.path.join(path, LATEST), name[0] + "\n")   # 2. the switch
         for old in os.listdir(path):         # 3. older generations and interrupted saves
             if old.startswith(("step-", ".step-")) and old != name[0]:
                 _remove_tree(os.path.join(path, old))
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if rank_and_world_size()[1] > 1:
         barrier(f"TrainState.save({path!r})")
     return final
 

@@ -33,22 +33,19 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..parallel import wrappers
+from ..runtime.distributed import rank_and_world_size
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # torch < 2.5
     from torch.distributed._tensor import DTensor, distribute_tensor
-
-
-def _rank_world() -> Tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 @contextmanager
@@ -66,7 +63,7 @@ def _quiet_redistribute() -> Iterator[None]:
 def describe_layout(model: nn.Module) -> str:
     """How the model is spread over the ranks, in words (written into checkpoints)."""
     kind = wrappers.wrapper_kind(model)
-    _, world = _rank_world()
+    _, world = rank_and_world_size()
     meshes = {tuple(p.device_mesh.mesh.shape): p.device_mesh.mesh_dim_names
               for p in wrappers.unwrap(model).parameters() if isinstance(p, DTensor)}
     mesh = "; ".join(f"mesh {'x'.join(map(str, s))}{f' {n}' if n else ''}" for s, n in meshes.items())
@@ -193,7 +190,7 @@ def optimizer_state(model: nn.Module, optimizer, full: bool = True) -> Optional[
     names, groups = parameter_names(model), _fsdp_groups(model)
     if _zero(optimizer):
         optimizer.consolidate_state_dict(to=0)
-        if _rank_world()[0] != 0:
+        if rank_and_world_size()[0] != 0:
             return None
     sd = optimizer.state_dict()
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -280,7 +277,7 @@ def _state_piece(p, names: List[str], group, saved_state) -> Dict[str, Any]:
 def merge_on_rank0(local: Dict[str, Any]) -> Dict[str, Any]:
     """The union of every rank's ``{name: value}`` on rank 0 (each name sent once, by the lowest
     rank holding it; nothing is sent when rank 0 holds every name, as without pipelines)."""
-    rank, world = _rank_world()
+    rank, world = rank_and_world_size()
     if world == 1:
         return local
     keys: List[Any] = [None] * world
@@ -304,7 +301,7 @@ def merge_on_rank0(local: Dict[str, Any]) -> Dict[str, Any]:
 
 def merge_optimizer_on_rank0(model: nn.Module, optimizer, state: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     """``optimizer_state`` of every rank merged on rank 0 (a pipeline's stages hold different names)."""
-    rank, world = _rank_world()
+    rank, world = rank_and_world_size()
     if world == 1 or _zero(optimizer):  # ZeRO: already complete on rank 0
         return state
     merged = merge_on_rank0(state["state"])

@@ -57,9 +57,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import wrappers
+from ..runtime.distributed import rank_and_world_size
 from . import sharded_checkpoint, state_dicts
 from .checkpoint_file import (  # noqa: F401  (public here too: mgpu_lab.training.train_state.save_checkpoint)
-    UnsafeCheckpointError, _atomic_save, _barrier, load_checkpoint, save_checkpoint,
+    UnsafeCheckpointError, _barrier, load_checkpoint, save_checkpoint,
 )
 
 # --------------------------------------------------------------------------- RNG states
@@ -125,7 +126,7 @@ class TrainState:
         """Everything but the tensors of model and optimizer, complete on rank 0."""
         if self._rng_hook is not None:  # saved before any forward since load: the loaded RNG
             self.restore_rng()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        rank, world = rank_and_world_size()
         rngs: List[Any] = [None] * world
         if world > 1:  # every rank's RNG, gathered to the rank that writes
             dist.gather_object(rng_state(), rngs if rank == 0 else None, dst=0)
@@ -169,7 +170,7 @@ class TrainState:
                 self.model, self.optimizer, {"state": plain, "param_groups": opt["param_groups"]} if opt else None)
             if merged is not None:
                 meta["optimizer"] = merged
-        sharded_checkpoint.save(path, tensors, meta, self.step, _atomic_save, _barrier)
+        sharded_checkpoint.save(path, tensors, meta, self.step, _barrier)
 
     # ------------------------------------------------------------------ loading
     def load(self, path: str, map_location="cpu", restore_rng: bool = True) -> bool:
@@ -204,7 +205,7 @@ class TrainState:
         self.step, self.epoch = state["step"], state["epoch"]
         self.extra = dict(state.get("extra", {}))
         self._loaded_rng = state["rng"]
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = rank_and_world_size()[1]
         if len(self._loaded_rng) != world:
             warnings.warn(f"the checkpoint was written by {len(self._loaded_rng)} rank(s), this run has {world}: "
                           "model, optimizer and counters are restored, but random draws will not continue "
@@ -274,7 +275,7 @@ class TrainState:
             self._rng_hook = None
         if self._loaded_rng is None:
             raise RuntimeError("restore_rng(): nothing loaded yet; call load(path) first")
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = rank_and_world_size()[0]
         if rank < len(self._loaded_rng):
             set_rng_state(self._loaded_rng[rank])
 
