@@ -1,4 +1,8 @@
-"""Mutants of lab 00: rank_slice (torch.chunk sizes) and global_mean (weight by rows)."""
+"""Mutants of lab 00: rank_slice (balanced, the larger slices last) and global_mean (weight by rows).
+
+Issue 29's attacks on the "must not call" guard (a reference reached past it) are kind ``wrong``:
+they must score 0 because the reference computes something else than the exercise asks, whether or
+not the guard sees them, and tests/test_mutants.py counts a ``reference`` kill only when it does."""
 from . import body, mutant, prepend, swap
 
 LAB = "00_setup"
@@ -7,54 +11,45 @@ LAB = "00_setup"
 # --- rank_slice ------------------------------------------------------------------
 
 @mutant("rank_slice", "wrong")
-def floor_instead_of_ceil(solution):
-    "rows // world_size rows per rank: 7 rows over 2 ranks loses the last row"
-    return swap(solution, "-(-rows // world_size)", "rows // world_size")
-
-
-@mutant("rank_slice", "wrong")
-def remainder_to_the_last_rank(solution):
-    "even split, the remainder to the last rank (numpy.array_split's other cousin)"
+def larger_slices_first(solution):
+    "balanced, but the extra rows on the first ranks (torch.tensor_split's order), where rank 0 has extra work"
     return body(solution, """
-        rows = batch.shape[0]
-        per_rank = rows // world_size
-        stop = rows if rank == world_size - 1 else (rank + 1) * per_rank
-        return batch[rank * per_rank:stop]
+        base, extra = divmod(batch.shape[0], world_size)
+        start = rank * base + min(rank, extra)
+        return batch[start:start + base + (rank < extra)]
     """)
 
 
 @mutant("rank_slice", "wrong")
 def a_copy_not_a_view(solution):
     "the right rows, but copied (.clone()) instead of a view"
-    return swap(solution, "return batch[start:min(start + per_rank, rows)]",
-                "return batch[start:min(start + per_rank, rows)].clone()")
+    return swap(solution, "return batch[start:start + base + (rank >= small)]",
+                "return batch[start:start + base + (rank >= small)].clone()")
 
 
 @mutant("rank_slice", "reference")
-def calls_torch_chunk(solution):
-    "torch.chunk itself, the function it re-implements"
-    return body(solution, """
-        chunks = torch.chunk(batch, world_size)
-        return chunks[rank] if rank < len(chunks) else batch[:0]
-    """)
+def calls_tensor_split(solution):
+    "torch.tensor_split, the balanced split of torch: the larger slices first"
+    return body(solution, "return torch.tensor_split(batch, world_size)[rank]")
 
 
-@mutant("rank_slice", "reference")
-def tensor_split_through_getattr(solution):
-    "the reference reached through getattr of a built name"
+@mutant("rank_slice", "wrong")
+def chunk_through_the_guards_wrapped(solution):
+    "issue 29 attack, the guard's __wrapped__: torch.chunk from the module's dict, unguarded; chunk's sizes are not the twist"
     return body(solution, """
-        split = getattr(batch, "tensor" + "_split")
-        return split(world_size)[rank]
+        chunk = vars(torch)["chunk"]
+        chunk = getattr(chunk, "__wrapped__", chunk)
+        parts = chunk(batch, world_size)
+        return parts[rank] if rank < len(parts) else batch[:0]
     """)
 
 
 @mutant("rank_slice", "copy")
-def copies_the_checks_expected_line(solution):
-    "the visible check's own lines (torch.chunk, then an empty slice past the end)"
+def copies_the_demos_chunk_line(solution):
+    "section 5's torch.chunk, with an empty slice past the end (the lab's old check)"
     return body(solution, """
         chunks = batch.chunk(world_size)
-        expected = chunks[rank] if rank < len(chunks) else batch[:0]
-        return expected
+        return chunks[rank] if rank < len(chunks) else batch[:0]
     """)
 
 

@@ -1,21 +1,33 @@
-"""Mutants of lab 03: shard indices, DDP training, rank-0 saving, SyncBatchNorm's statistics,
-setup()/cleanup() and the DDP script under torchrun."""
+"""Mutants of lab 03: shard indices for an evaluation in order, DDP training on shards of any size, saving once
+per node, batch statistics over a group of ranks, setup()/cleanup() under torchrun or mpirun, and the DDP script
+under torchrun.
+
+Issue 29's attacks on the "must not call" guard (a reference reached past it) are kind ``wrong``:
+they must score 0 because the reference computes something else than the exercise asks, whether or
+not the guard sees them, and tests/test_mutants.py counts a ``reference`` kill only when it does."""
 from . import body, mutant, prepend, swap
 
 LAB = "03_ddp_and_launching"
+
+STRIDED = """
+    indices = list(range(n))
+    if drop_last:
+        per_rank = n // world_size
+        indices = indices[: per_rank * world_size]
+    else:
+        per_rank = -(-n // world_size)
+        while len(indices) < per_rank * world_size:
+            indices += indices[: per_rank * world_size - len(indices)]
+    return indices[rank::world_size]
+"""
 
 
 # --- ex1_shard_indices ------------------------------------------------------------------------
 
 @mutant("ex1_shard_indices", "wrong")
-def contiguous_blocks(solution):
-    "each rank a contiguous block of the padded indices, not every world_size-th one"
-    return body(solution, """
-        per_rank = -(-n // world_size)
-        indices = list(range(n)) * world_size
-        return indices[rank * per_rank:(rank + 1) * per_rank] if not drop_last else \\
-            list(range(n))[rank * (n // world_size):(rank + 1) * (n // world_size)]
-    """)
+def strided_like_distributed_sampler(solution):
+    "DistributedSampler's shards by hand (the lab's old answer): every world_size-th index, the results interleaved"
+    return body(solution, STRIDED)
 
 
 @mutant("ex1_shard_indices", "reference")
@@ -27,9 +39,41 @@ def the_old_reference_helper(solution):
     """)
 
 
+@mutant("ex1_shard_indices", "wrong")
+def a_child_python_computes_it(solution):
+    "issue 29 attack, a child Python: DistributedSampler's lists from a subprocess (one, for every case); strided"
+    return prepend(body(solution, """
+        key = (n, rank, world_size, drop_last)
+        if key not in FROM_CHILD:
+            import json, subprocess, sys
+            code = ("import json; from torch.utils.data import DistributedSampler as S; "
+                    "print(json.dumps([[n, r, w, d, list(S(range(n), num_replicas=w, rank=r, shuffle=False, drop_last=d))] "
+                    "for n in range(1, 40) for w in range(1, 9) for r in range(w) for d in (False, True) if n >= w or not d]))")
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            FROM_CHILD.update({tuple(k[:4]): k[4] for k in json.loads(out.stdout)})
+        return FROM_CHILD[key]
+    """), "FROM_CHILD = {}")
+
+
+@mutant("ex1_shard_indices", "wrong")
+def linecache_shows_the_guard_an_instructors_cell(solution):
+    "issue 29 attack, linecache: this cell's cached source swapped for a given cell's, then DistributedSampler; strided"
+    return body(solution, """
+        import linecache
+        import torch.utils.data as data
+        cells = {k: v for k, v in linecache.cache.items() if isinstance(v, tuple) and len(v) == 4}
+        given = next((v for v in cells.values() if "def make_data(n=64" in "".join(v[2])), None)
+        for key, value in cells.items():
+            if given is not None and "def shard_indices" in "".join(value[2]):
+                linecache.cache[key] = given
+        sampler = vars(data)["Distributed" + "Sampler"]
+        return list(sampler(range(n), num_replicas=world_size, rank=rank, shuffle=False, drop_last=drop_last))
+    """)
+
+
 @mutant("ex1_shard_indices", "copy")
-def copies_the_checks_sampler_line(solution):
-    "the visible judge's own line: a DistributedSampler, listed"
+def copies_the_demos_sampler_line(solution):
+    "section 3's demo line: a DistributedSampler, listed (strided)"
     return body(solution, """
         return list(DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=False, drop_last=drop_last))
     """)
@@ -37,11 +81,8 @@ def copies_the_checks_sampler_line(solution):
 
 @mutant("ex1_shard_indices", "tamper")
 def patches_the_sampler(solution):
-    "DistributedSampler made to agree with a wrong answer (contiguous blocks)"
-    return prepend(body(solution, """
-        per_rank = -(-n // world_size)
-        return (list(range(n)) * world_size)[rank * per_rank:(rank + 1) * per_rank]
-    """), """
+    "DistributedSampler made to agree with a wrong answer (strided shards)"
+    return prepend(body(solution, STRIDED), """
         DistributedSampler.__iter__ = lambda self: iter(shard_indices(len(self.dataset), self.rank, self.num_replicas))
     """)
 
@@ -49,17 +90,21 @@ def patches_the_sampler(solution):
 # --- ex2_train_ddp ----------------------------------------------------------------------------
 
 @mutant("ex2_train_ddp", "wrong")
-def no_ddp_wrapper(solution):
-    "the model is never wrapped in DDP: each rank trains on its half alone"
-    solution = swap(solution, 'DDP(make_model().to(device), device_ids=[device.index] if device.type == "cuda" else None)',
-                    "make_model().to(device)")
-    return swap(solution, "model.module.state_dict()", "model.state_dict()")
+def plain_ddp(solution):
+    "DDP's average as it is (the lab's old answer): right for equal shards, each sample of a small shard counts more"
+    solution = swap(solution, "        (loss * share).backward()  # DDP averages the gradients across ranks here",
+                    "        loss.backward()")
+    return solution
 
 
 @mutant("ex2_train_ddp", "wrong")
-def local_loss_not_global(solution):
-    "records this rank's own loss, not the mean over ranks"
-    return swap(solution, "losses.append(global_loss.item() / world_size)", "losses.append(loss.item())")
+def mean_of_the_ranks_losses(solution):
+    "the right step, but the logged global loss is the mean of the ranks' means"
+    return swap(solution, """        global_loss = loss.detach() * len(x_local)  # this rank's sum of squared errors
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / n_total.item())""", """        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world_size)""")
 
 
 @mutant("ex2_train_ddp", "copy")
@@ -82,26 +127,30 @@ def the_single_process_reference(solution):
 
 @mutant("ex2_train_ddp", "tamper")
 def patches_equal_and_allclose(solution):
-    "torch.equal and torch.allclose patched to always agree, and no DDP at all"
-    solution = swap(solution, 'DDP(make_model().to(device), device_ids=[device.index] if device.type == "cuda" else None)',
-                    "make_model().to(device)")
-    return prepend(swap(solution, "model.module.state_dict()", "model.state_dict()"), """
+    "torch.equal and torch.allclose patched to always agree, and plain DDP"
+    return prepend(plain_ddp(solution), """
         torch.equal = lambda *args, **kwargs: True
         torch.allclose = lambda *args, **kwargs: True
     """)
 
 
-# --- ex3_save_on_main -------------------------------------------------------------------------
+# --- ex3_save_on_each_node --------------------------------------------------------------------
 
-@mutant("ex3_save_on_main", "wrong")
+@mutant("ex3_save_on_each_node", "wrong")
+def global_rank_0_only(solution):
+    "rank 0 of the whole job saves (the lab's old answer): the other nodes have no checkpoint"
+    return swap(solution, 'if int(os.environ["LOCAL_RANK"]) == 0:', "if dist.get_rank() == 0:")
+
+
+@mutant("ex3_save_on_each_node", "wrong")
 def no_barrier(solution):
-    "rank 0 saves, but nobody waits: the other ranks return before the file exists"
-    return swap(solution, "    dist.barrier()\n", "")
+    "local rank 0 saves, but nobody waits: the other ranks return before the file exists"
+    return swap(solution, "    dist.barrier()  # nobody returns (and loads) before the files are complete\n", "")
 
 
-@mutant("ex3_save_on_main", "wrong")
+@mutant("ex3_save_on_each_node", "wrong")
 def every_rank_saves(solution):
-    "no rank check: every rank writes the file"
+    "no rank check: every rank of a node writes the node's file, the last writer wins"
     return body(solution, """
         inner = model.module if isinstance(model, DDP) else model
         torch.save(inner.state_dict(), path)
@@ -109,36 +158,56 @@ def every_rank_saves(solution):
     """)
 
 
-@mutant("ex3_save_on_main", "copy")
+@mutant("ex3_save_on_each_node", "copy")
 def the_single_scripts_save(solution):
     "lab03_single.py's save line: every rank saves the wrapper's state dict ('module.' keys)"
     return body(solution, "torch.save(model.state_dict(), path)")
 
 
-@mutant("ex3_save_on_main", "tamper")
+@mutant("ex3_save_on_each_node", "tamper")
 def skips_the_delay(solution):
-    "time.sleep patched away so that rank 0 is never late, and no barrier"
-    return prepend(swap(solution, "    dist.barrier()\n", ""), """
+    "time.sleep patched away so that no rank is ever late, and no barrier"
+    return prepend(no_barrier(solution), """
         time.sleep = lambda seconds: None
     """)
 
 
 # --- ex4_sync_batch_stats ---------------------------------------------------------------------
 
+WORLD = """
+    count = torch.tensor([float(x.shape[0])], device=x.device)
+    total, total_sq = x.sum(dim=0), (x * x).sum(dim=0)
+    for t in (count, total, total_sq):
+        dist.all_reduce(t)
+    mean = total / count
+    return mean, total_sq / count - mean * mean
+"""
+
+
 @mutant("ex4_sync_batch_stats", "wrong")
-def mean_of_the_ranks_statistics(solution):
-    "averages the ranks' own means and variances: wrong for uneven slices"
-    return body(solution, """
-        stats = torch.stack([x.mean(dim=0), x.var(dim=0, unbiased=False)])
-        dist.all_reduce(stats)
-        stats /= dist.get_world_size()
-        return stats[0], stats[1]
-    """)
+def over_the_whole_world(solution):
+    "the statistics of every rank's rows (the lab's old answer): the groups ignored"
+    return body(solution, WORLD)
+
+
+@mutant("ex4_sync_batch_stats", "wrong")
+def mean_of_the_groups_statistics(solution):
+    "averages the group's ranks' own means and variances: wrong for slices of different sizes"
+    return swap(solution, """    count = torch.tensor([float(x.shape[0])], device=x.device)
+    total = x.sum(dim=0)
+    total_sq = (x * x).sum(dim=0)
+    for t in (count, total, total_sq):
+        dist.all_reduce(t, group=mine)
+    mean = total / count
+    return mean, total_sq / count - mean * mean""", """    stats = torch.stack([x.mean(dim=0), x.var(dim=0, unbiased=False)])
+    dist.all_reduce(stats, group=mine)
+    stats /= group_size
+    return stats[0], stats[1]""")
 
 
 @mutant("ex4_sync_batch_stats", "reference")
 def gather_stats_with_counts(solution):
-    "torch's own kernel behind SyncBatchNorm"
+    "torch's own kernel behind SyncBatchNorm, over the whole world"
     return body(solution, """
         counts = torch.tensor([float(x.shape[0])] * dist.get_world_size())
         means = [torch.zeros(x.shape[1]) for _ in range(dist.get_world_size())]
@@ -168,9 +237,23 @@ def ipython_hides_failures(solution):
 # --- ex5_setup (a %%writefile cell) -----------------------------------------------------------
 
 @mutant("ex5_setup", "wrong")
+def torchrun_only(solution):
+    "torchrun's variables only (the lab's old answer): under mpirun, a KeyError"
+    return body(solution, """
+        rank, local_rank, world_size = (int(os.environ[name]) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", init_method="env://")
+        return rank, local_rank, world_size, device
+    """)
+
+
+@mutant("ex5_setup", "wrong")
 def local_rank_is_rank(solution):
     "LOCAL_RANK taken to be RANK: wrong on every node but the first"
-    return swap(solution, 'local_rank = int(os.environ["LOCAL_RANK"])', "local_rank = rank")
+    return swap(solution, "    rank, local_rank, world_size = (int(os.environ[name]) for name in names)",
+                "    rank, _, world_size = (int(os.environ[name]) for name in names)\n    local_rank = rank")
 
 
 @mutant("ex5_setup", "wrong")
@@ -198,10 +281,10 @@ def redefines_the_checks_helper(solution):
 from pathlib import Path
 Path("lab03_setup.py").write_text("def setup():\\n    raise NotImplementedError\\n\\ndef cleanup():\\n    pass\\n")
 
-def rejoin_with_setup(setup_module, local_ranks):
+def rejoin_with_setup(setup_module, launcher, local_ranks):
     import torch.distributed as dist
     r = dist.get_rank()
-    return r, local_ranks[r], 2, "cpu", True, 2.0, True
+    return r, local_ranks[r], 2, "cpu", 3.0
 """
 
 
@@ -262,6 +345,19 @@ def the_single_script_on_every_rank(solution):
                               "val_mse": round(squared_error / count, 6), "val_count": count}))
         cleanup()
     """)
+
+
+@mutant("ex6_ddp_script", "copy")
+def the_single_script_with_its_own_data(solution):
+    "lab03_single.py's make_data copied into the script (none of the check's data), every rank training on all 64"
+    return swap(the_single_script_on_every_rank(solution),
+                "    train_set, val_set = make_data(64, seed=0), make_data(25, seed=1)\n",
+                "    from torch.utils.data import TensorDataset\n"
+                "    def own_data(n, seed):\n"
+                "        g = torch.Generator().manual_seed(seed)\n"
+                "        X = torch.randn(n, 8, generator=g)\n"
+                "        return TensorDataset(X, torch.sin(X.sum(dim=1, keepdim=True)) + 0.1 * torch.randn(n, 1, generator=g))\n"
+                "    train_set, val_set = own_data(64, seed=0), own_data(25, seed=1)\n")
 
 
 @mutant("ex6_ddp_script", "tamper")
