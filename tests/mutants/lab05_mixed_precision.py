@@ -20,10 +20,20 @@ AMP_COPY = """
 
 # --- ex1_update_scale ----------------------------------------------------------
 
-@mutant("ex1_update_scale", "wrong")
-def tracker_survives_an_overflow(solution):
-    "the count of clean steps is not reset when an overflow comes"
-    return swap(solution, "return scale, 0, hysteresis_left", "return scale, growth_tracker, hysteresis_left")
+@mutant("ex1_update_scale", "reference")
+def attack_linecache_edited(solution):
+    "attack: the cached cell sources (linecache) blanked so that a guard reading them sees nothing, then "
+    "torch._amp_update_scale_ reached by a built key: torch's rule, no hysteresis, no floor"
+    return body(solution, """
+        import linecache
+        for key, entry in list(linecache.cache.items()):
+            if len(entry) == 4:
+                linecache.cache[key] = (entry[0], entry[1], ["pass\\n"] * len(entry[2]), entry[3])
+        s, t = torch.tensor(float(scale)), torch.tensor(growth_tracker, dtype=torch.int32)
+        vars(torch)["_amp_update" + "_scale_"](s, t, torch.tensor(float(found_inf)), growth_factor, backoff_factor,
+                                               growth_interval)
+        return s.item(), int(t.item()), hysteresis_left
+    """)
 
 
 @mutant("ex1_update_scale", "wrong")
