@@ -1,4 +1,10 @@
-"""Mutants of lab 04: byte counts, the ring all-reduce, naive and bucketed DDP, the α–β fit."""
+"""Mutants of lab 04: exact byte counts, the ring to the left step by step, naive and bucketed DDP over uneven
+slices (with a small first bucket), the α–β fit over several N.
+
+Each exercise grades a variant the library does not compute (the busiest rank's exact bytes, the left ring's
+partial sums, sample-weighted averages, a first-bucket cap, a fit over N): a reference reached any way scores 0
+because it computes the plain variant, whatever the guard sees. The attack mutants reach it past the guard.
+"""
 from . import body, mutant, prepend, swap
 
 LAB = "04_ring_allreduce_and_ddp"
@@ -7,15 +13,27 @@ LAB = "04_ring_allreduce_and_ddp"
 # --- ex1_bytes --------------------------------------------------------------------------------
 
 @mutant("ex1_bytes", "wrong")
-def ring_without_the_all_gather(solution):
-    "the ring's scatter-reduce only: (N-1)/N·S, half of what a rank sends"
-    return swap(solution, "return 2 * (world_size - 1) * S / world_size", "return (world_size - 1) * S / world_size")
+def the_formula_for_every_size(solution):
+    "2(N-1)/N·S whatever the size: exact only when N divides the number of elements"
+    return body(solution, """
+        if algorithm == "ring":
+            return 2 * (world_size - 1) * S / world_size
+        if algorithm == "parameter_server":
+            return (world_size - 1) * S
+        raise ValueError(algorithm)
+    """)
 
 
 @mutant("ex1_bytes", "reference")
 def allreduce_bytes_through_getattr(solution):
     "mgpu_lab.allreduce_bytes reached through getattr"
     return body(solution, 'return getattr(mgpu_lab, "allreduce_bytes")(numel, element_size, world_size, algorithm)')
+
+
+@mutant("ex1_bytes", "wrong")
+def rank_zeros_bytes(solution):
+    "the bytes of rank 0, not of the busiest rank"
+    return swap(solution, "return max(sent) * element_size", "return sent[0] * element_size")
 
 
 @mutant("ex1_bytes", "copy")
@@ -26,78 +44,113 @@ def the_plot_cells_call(solution):
 
 @mutant("ex1_bytes", "tamper")
 def patches_allreduce_bytes(solution):
-    "mgpu_lab's allreduce_bytes replaced so that the check's reference agrees with 2S"
+    "mgpu_lab's allreduce_bytes replaced so that a check's reference would agree with 2S"
     return prepend(body(solution, "return 2 * S"), """
         mgpu_lab.allreduce_bytes = lambda numel, element_size, world_size, algorithm="ring": 2 * numel * element_size
+    """)
+
+
+@mutant("ex1_bytes", "wrong")
+def attack_second_copy_of_the_collectives_module(solution):
+    "attack: allreduce_bytes from a second copy of mgpu_lab's collectives module, loaded from its file past the "
+    "guard; it computes the formula, not the busiest rank's bytes"
+    return body(solution, """
+        import importlib.util
+        import mgpu_lab.parallel.collectives as lib
+        spec = importlib.util.spec_from_file_location("__main__", lib.__file__)
+        copy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(copy)
+        return copy.allreduce_bytes(numel, element_size, world_size, algorithm)
     """)
 
 
 # --- ex2_ring ---------------------------------------------------------------------------------
 
 @mutant("ex2_ring", "wrong")
-def scatter_reduce_one_step_short(solution):
-    "an off-by-one ring step: scatter-reduce runs N-2 steps, so each chunk misses one rank's part"
-    return swap(solution, "for s in range(1, world):  # scatter-reduce steps 1..N-1",
-                "for s in range(1, world - 1):  # scatter-reduce steps 1..N-2")
+def section_3s_ring_to_the_right(solution):
+    "section 3's ring, to the right: the right sums, but other partial sums after every step (and other bytes)"
+    solution = swap(solution, "requests.append(dist.isend(send, left))", "requests.append(dist.isend(send, right))")
+    solution = swap(solution, "requests.append(dist.irecv(recv, right))", "requests.append(dist.irecv(recv, left))")
+    solution = swap(solution, "send, acc = chunks[(rank + s - 1) % world], chunks[(rank + s) % world]",
+                    "send, acc = chunks[(rank - s + 1) % world], chunks[(rank - s) % world]")
+    return swap(solution, "sent += exchange(chunks[(rank + s - 2) % world], chunks[(rank + s - 1) % world])",
+                "sent += exchange(chunks[(rank - s + 2) % world], chunks[(rank - s + 1) % world])")
 
 
 @mutant("ex2_ring", "wrong")
-def whole_tensor_around_the_ring(solution):
-    "the right sum the slow way: the whole tensor passed around the ring N-1 times, the ring's bytes reported"
-    return body(solution, """
-        total, passing = tensor.clone(), tensor.clone()
-        for s in range(1, world):
-            incoming = torch.empty_like(passing)
-            requests = [dist.isend(passing, right), dist.irecv(incoming, left)]
-            for req in requests:
-                req.wait()
-            total += incoming
-            passing = incoming
-        tensor.copy_(total)
-        sent = sum(2 * c.numel() * c.element_size() for c in chunks[1:]) if world > 1 else 0
-    """)
+def scatter_reduce_one_step_short(solution):
+    "an off-by-one ring step: scatter-reduce runs N-2 steps, so each chunk misses one rank's part"
+    return swap(solution, "for s in range(1, world):  # scatter-reduce steps 1..N-1, to the left",
+                "for s in range(1, world - 1):  # scatter-reduce steps 1..N-2")
 
 
 @mutant("ex2_ring", "reference")
 def calls_dist_all_reduce(solution):
-    "dist.all_reduce itself, and the ring's byte count"
+    "dist.all_reduce itself, the left ring's byte count, and the final tensor as every state"
     return body(solution, """
         dist.all_reduce(tensor)
-        sent = sum(2 * c.numel() * c.element_size() for c in chunks[1:]) if world > 1 else 0
+        sizes = [c.numel() for c in chunks]
+        sent = (2 * flat.numel() - sizes[(rank - 1) % world] - sizes[(rank - 2) % world]) * flat.element_size()
+        states = [flat.clone() for _ in range(2 * (world - 1))]
     """)
 
 
 @mutant("ex2_ring", "copy")
 def the_parameter_server_demo(solution):
     "section 2's demo: naive_allreduce to a root and back"
-    return body(solution, "sent = naive_allreduce(tensor, root=0).bytes_sent")
+    return body(solution, """
+        sent = naive_allreduce(tensor, root=0).bytes_sent
+        states = [flat.clone() for _ in range(2 * (world - 1))]
+    """)
 
 
 @mutant("ex2_ring", "tamper")
-def redefines_run_ring(solution):
-    "the check's run_ring replaced by one that all-reduces and reports no calls"
-    return prepend(body(solution, "sent = 0"), """
-        def run_ring(fn, tensors):
-            out = []
-            for t in tensors:
-                x = t.clone()
-                dist.all_reduce(x)
-                out.append((x, 2 * (dist.get_world_size() - 1) * x.numel() * x.element_size() // dist.get_world_size(), []))
-            return out
+def patches_the_comparisons(solution):
+    "torch.allclose and torch.equal patched to always agree, and section 3's chunk order"
+    solution = swap(solution, "send, acc = chunks[(rank + s - 1) % world], chunks[(rank + s) % world]",
+                    "send, acc = chunks[(rank - s + 1) % world], chunks[(rank - s) % world]")
+    return prepend(solution, """
+        torch.allclose = torch.equal = lambda *args, **kwargs: True
+    """)
+
+
+@mutant("ex2_ring", "reference")
+def attack_unguarded_all_gather_and_replay(solution):
+    "attack (the red team's): all-gather through the guard's __wrapped__, then section 3's simulation replayed "
+    "for a plausible history: the right sum, the partial sums of the ring to the right"
+    return body(solution, """
+        parts = [torch.empty_like(flat) for _ in range(world)]
+        gather = dist.all_gather
+        while hasattr(gather, "__wrapped__"):
+            gather = gather.__wrapped__
+        gather(parts, flat)
+        replay = simulate_ring_allreduce(parts)
+        states = [torch.cat(s.chunks[rank]) for s in replay[1:]]
+        flat.copy_(states[-1])
+        sizes = [c.numel() for c in chunks]
+        sent = (2 * flat.numel() - sizes[(rank - 1) % world] - sizes[(rank - 2) % world]) * flat.element_size()
     """)
 
 
 # --- ex3_naive_sync ---------------------------------------------------------------------------
+# Exercise 3's 2nd mutant names NaiveDDP inside sync_gradients' def, which counts against exercise 5 too (it
+# forbids NaiveDDP): it is graded in round 1, where exercise 5 runs its own 2nd mutant, a reference call too.
+# Exercise 3's 4th mutant is graded in the round where exercise 5 keeps its solution: it names no DDP.
 
 @mutant("ex3_naive_sync", "wrong")
-def sums_without_dividing(solution):
-    "all-reduce sums: never divided by the world size"
-    return swap(solution, "            p.grad /= world\n", "")
+def averages_the_ranks(solution):
+    "the average of the ranks' gradients (the three rules): a mean of means when the slices differ"
+    return body(solution, """
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+    """)
 
 
 @mutant("ex3_naive_sync", "reference")
 def naive_ddps_own_sync(solution):
-    "mgpu_lab.NaiveDDP's synchronisation run on the model's parameters"
+    "mgpu_lab.NaiveDDP's synchronisation run on the model's parameters: it averages"
     return body(solution, """
         from types import SimpleNamespace
         from mgpu_lab import NaiveDDP
@@ -107,10 +160,21 @@ def naive_ddps_own_sync(solution):
     """)
 
 
+@mutant("ex3_naive_sync", "wrong")
+def assumes_the_count_is_everywhere_the_same(solution):
+    "weighted by this rank's count, divided by world size times it: as if every rank had as many samples"
+    return swap(solution, "            p.grad /= total.item()", "            p.grad /= world * num_samples")
+
+
 @mutant("ex3_naive_sync", "copy")
 def divides_by_four_as_section_1(solution):
-    "section 1's average, total / 4: the demo's rank count, not the world size"
-    return swap(solution, "p.grad /= world", "p.grad /= 4")
+    "section 1's average, total / 4: the demo's rank count, not the samples"
+    return body(solution, """
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= 4
+    """)
 
 
 @mutant("ex3_naive_sync", "tamper")
@@ -118,6 +182,22 @@ def patches_allclose_and_skips_the_sync(solution):
     "torch.allclose patched to always agree, and no communication"
     return prepend(body(solution, "pass"), """
         torch.allclose = lambda *args, **kwargs: True
+    """)
+
+
+@mutant("ex3_naive_sync", "wrong")
+def attack_second_copy_of_the_ring(solution):
+    "attack: ring_allreduce(op='avg') from a second copy of mgpu_lab's collectives module, loaded from its file "
+    "past the guard; it averages the ranks, a mean of means"
+    return body(solution, """
+        import importlib.util
+        import mgpu_lab.parallel.collectives as lib
+        spec = importlib.util.spec_from_file_location("__main__", lib.__file__)
+        copy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(copy)
+        for p in model.parameters():
+            if p.grad is not None:
+                copy.ring_allreduce(p.grad, op="avg")
     """)
 
 
@@ -134,7 +214,7 @@ def forward_order(solution):
 
 @mutant("ex4_buckets", "reference")
 def bucketed_ddp_through_a_built_name(solution):
-    "mgpu_lab.BucketedDDP, reached through getattr of a built name, on a module holding the parameters"
+    "mgpu_lab.BucketedDDP, reached through getattr of a built name: one cap for every bucket"
     return body(solution, """
         holder = nn.Module()
         for i, (name, p) in enumerate(named_parameters):
@@ -147,8 +227,9 @@ def bucketed_ddp_through_a_built_name(solution):
 
 @mutant("ex4_buckets", "wrong")
 def a_full_bucket_at_the_cap(solution):
-    "a bucket counted full when it reaches the cap exactly (>= instead of >)"
-    return swap(solution, "if not buckets or size + nbytes > cap:", "if not buckets or size + nbytes >= cap:")
+    "a bucket counted full when it reaches the cap exactly (>= instead of >), as torch's C++ packing closes it"
+    return swap(solution, "if not buckets or size + nbytes > (first_cap if len(buckets) == 1 else cap):",
+                "if not buckets or size + nbytes >= (first_cap if len(buckets) == 1 else cap):")
 
 
 @mutant("ex4_buckets", "tamper")
@@ -172,14 +253,18 @@ def the_checks_bucketed_ddp_line(solution):
     """)
 
 
+@mutant("ex4_buckets", "wrong")
+def one_cap_for_every_bucket(solution):
+    "the first bucket packed to bucket_cap_mb like the others: its own cap ignored"
+    return swap(solution, "(first_cap if len(buckets) == 1 else cap)", "cap")
+
+
 # --- ex5_bucketed -----------------------------------------------------------------------------
 
-# Exercise 3's reference mutant names NaiveDDP inside sync_gradients' def, which counts against exercise 5 too
-# (it forbids NaiveDDP): exercise 5's 2nd mutant, graded in that round, is its own reference call.
 FINISH = """
     for work, flat, b in self.pending:
         work.wait()
-        flat /= dist.get_world_size()
+        flat /= total
         offset = 0
         for p in self.buckets[b]:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
@@ -195,7 +280,7 @@ def launches_everything_at_the_end_of_backward(solution):
         self.ready[self.bucket_of[param]] += 1
         if sum(self.ready) == sum(len(bucket) for bucket in self.buckets):
             for b, bucket in enumerate(self.buckets):
-                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket]) * self.num_samples
                 self.pending.append((dist.all_reduce(flat, async_op=True), flat, b))
             self.next_bucket = len(self.buckets)
     """)
@@ -203,7 +288,7 @@ def launches_everything_at_the_end_of_backward(solution):
 
 @mutant("ex5_bucketed", "reference")
 def naive_ddps_sync_after_backward(solution):
-    "no hooks' work; mgpu_lab.NaiveDDP's synchronisation after backward"
+    "no hooks' work; mgpu_lab.NaiveDDP's synchronisation after backward: an average"
     return body(body(solution, region=1, code="""
         from types import SimpleNamespace
         from mgpu_lab import NaiveDDP
@@ -214,14 +299,16 @@ def naive_ddps_sync_after_backward(solution):
 
 
 @mutant("ex5_bucketed", "wrong")
-def sums_without_dividing(solution):
-    "the buckets' sums copied back, never divided by the world size"
-    return swap(solution, "            flat /= dist.get_world_size()\n", "")
+def averages_the_buckets(solution):
+    "the buckets' sums divided by the world size, each rank's gradient unweighted: a mean of means"
+    solution = swap(solution, "for p in self.buckets[self.next_bucket]]) * self.num_samples",
+                    "for p in self.buckets[self.next_bucket]])")
+    return swap(solution, "            flat /= total\n", "            flat /= dist.get_world_size()\n")
 
 
 @mutant("ex5_bucketed", "copy")
 def exercise_3s_sync_after_backward(solution):
-    "exercise 3's sync_gradients copied into finish_gradient_synchronization: one all-reduce per parameter, after backward"
+    "section 5's one all-reduce per parameter copied into finish_gradient_synchronization, after backward, averaged"
     return body(body(solution, region=1, code="""
         for p in self.module.parameters():
             if p.grad is not None:
@@ -234,9 +321,27 @@ def exercise_3s_sync_after_backward(solution):
 def redefines_train_replica(solution):
     "the check's train_replica replaced by one that reports a perfect timeline, after a naive sync"
     return prepend(body(body(solution, region=1, code=FINISH), "pass"), """
-        def train_replica(model, steps, sync, watch=False):
+        def train_replica(model, steps, sync, sizes=None, watch=False):
             inner = model.module
             return ({k: v.cpu() for k, v in inner.state_dict().items()}, True, ["gagag|"] * steps)
+    """)
+
+
+@mutant("ex5_bucketed", "wrong")
+def attack_blinds_the_observer_and_averages(solution):
+    "attack: the check's C10dLog rebound to one that records nothing, and BucketedDDP's plain average of the "
+    "ranks: killed by the uneven slices' weights, not by the log"
+    solution = swap(solution, "for p in self.buckets[self.next_bucket]]) * self.num_samples",
+                    "for p in self.buckets[self.next_bucket]])")
+    solution = swap(solution, "            flat /= total\n", "            flat /= dist.get_world_size()\n")
+    return prepend(solution, """
+        class C10dLog(TorchDispatchMode):
+            def __init__(self, calls):
+                super().__init__()
+                self.calls = calls
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
     """)
 
 
@@ -245,7 +350,11 @@ def redefines_train_replica(solution):
 @mutant("ex6_alpha_beta", "wrong")
 def plain_least_squares(solution):
     "squared seconds, not relative errors: the largest size decides alone"
-    return swap(solution, "w = [1 / t ** 2 for t in seconds]", "w = [1.0 for t in seconds]")
+    return body(solution, """
+        A = np.array([[n - 1, 2 * (n - 1) / n * s] for s, n in zip(nbytes, ranks)], dtype=np.float64)
+        scale = np.abs(A).max(axis=0)
+        alpha, beta = np.linalg.lstsq(A / scale, np.asarray(seconds), rcond=None)[0] / scale
+    """)
 
 
 @mutant("ex6_alpha_beta", "wrong")
@@ -256,26 +365,36 @@ def ring_latency_not_scaled(solution):
 
 @mutant("ex6_alpha_beta", "reference")
 def the_demo_cells_weighted_polyfit(solution):
-    "the plot cell after the exercise: np.polyfit with weights 1/t, the reference the exercise re-implements"
+    "the plot cell after the exercise: np.polyfit with weights 1/t, a line in S whatever N"
     return body(solution, "beta, alpha = np.polyfit(nbytes, seconds, 1, w=1 / np.asarray(seconds))")
 
 
 @mutant("ex6_alpha_beta", "copy")
-def the_old_graded_cells_helpers(solution):
-    "least_squares and model_crossover, which the graded cell used to define and show, called as the answers"
-    solution = body(solution, "alpha, beta = least_squares(nbytes, seconds)")
-    return swap(solution, """    (a_ring, b_ring), (a_ps, b_ps) = ring_fit, ps_fit
-    for n in range(2, max_ranks + 1):
-        ring = (n - 1) * a_ring + 2 * (n - 1) / n * nbytes * b_ring  # 2(N-1) steps of alpha/2
-        ps = a_ps + (n - 1) * nbytes * b_ps                          # the root's link: (N-1)·S
-        if ps > ring:
-            return n
-    return None""", "    return model_crossover(nbytes, ring_fit, ps_fit, max_ranks)")
+def one_line_through_every_n(solution):
+    "the demo cell's fit by another numpy function (not the one forbidden): a line in S, N ignored"
+    return body(solution, """
+        alpha, beta = np.polynomial.polynomial.polyfit(nbytes, seconds, 1, w=1 / np.asarray(seconds))
+    """)
 
 
 @mutant("ex6_alpha_beta", "tamper")
 def ipython_hides_failures(solution):
-    "IPython's exception hook swallowing the failed assertion, and a plain fit"
-    return prepend(swap(solution, "w = [1 / t ** 2 for t in seconds]", "w = [1.0 for t in seconds]"), """
+    "IPython's exception hook swallowing the failed assertion, and a fit that ignores N"
+    return prepend(body(solution, """
+        alpha, beta = np.polynomial.polynomial.polyfit(nbytes, seconds, 1, w=1 / np.asarray(seconds))
+    """), """
         get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)
+    """)
+
+
+@mutant("ex6_alpha_beta", "wrong")
+def attack_polyfit_in_a_child_python(solution):
+    "attack: np.polyfit computed by a child Python (subprocess), out of the guard's sight; a line in S whatever N"
+    return body(solution, """
+        import json, subprocess, sys
+        code = ("import json, sys, numpy as np; s, t = json.loads(sys.argv[1]); "
+                "print(json.dumps(list(np.polyfit(s, t, 1, w=1 / np.asarray(t)))))")
+        done = subprocess.run([sys.executable, "-c", code, json.dumps([list(nbytes), list(seconds)])],
+                              capture_output=True, text=True, check=True)
+        beta, alpha = json.loads(done.stdout)
     """)

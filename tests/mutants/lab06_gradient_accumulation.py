@@ -59,23 +59,46 @@ def patches_allclose(solution):
 
 
 # --- ex2_scaler -----------------------------------------------------------------------
+# Exercise 2's variant: an fp16 model, fp32 masters, the window accumulated in fp32 (Megatron's main_grad), which
+# GradientAccumulator (it accumulates in .grad) does not compute.
+
+GA_COPY = """
+        import importlib.util
+        import mgpu_lab.training.grad_accum as lib
+        spec = importlib.util.spec_from_file_location("mgpu_lab.training.grad_accum_copy", lib.__file__)
+        copy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(copy)"""
+
 
 @mutant("ex2_scaler", "wrong")
 def divides_by_k_with_uneven_micro_batches(solution):
     "each micro-batch's loss divided by k: wrong when the micro-batches are uneven"
-    return swap(solution, "F.mse_loss(model(xb), yb) * (len(xb) / total)", "F.mse_loss(model(xb), yb) / len(window)")
+    return swap(solution, "F.mse_loss(model(xb.half()).float(), yb) * (len(xb) / total)",
+                "F.mse_loss(model(xb.half()).float(), yb) / len(window)")
+
+
+@mutant("ex2_scaler", "wrong")
+def accumulates_in_the_fp16_grad(solution):
+    "the window added up in the fp16 .grad, copied to the masters at its end: every partial sum rounded to fp16"
+    solution = swap(solution, """            for p, m in zip(params, masters):
+                m.grad += p.grad                # this micro-batch's fp16 gradient, added in fp32
+                p.grad = None
+""", "")
+    return swap(solution, "        scaler.unscale_(optimizer)\n",
+                "        for p, m in zip(params, masters):\n            m.grad = p.grad.float()\n            p.grad = None\n"
+                "        scaler.unscale_(optimizer)\n")
 
 
 @mutant("ex2_scaler", "reference")
 def accumulator_through_getattr(solution):
-    "mgpu_lab.GradientAccumulator, reached through getattr of a built name"
+    "mgpu_lab.GradientAccumulator, reached through getattr of a built name, on the fp16 model"
     return body(solution, """
         import mgpu_lab
         acc = getattr(mgpu_lab, "Gradient" + "Accumulator")(model, optimizer, k, scaler=scaler,
                                                            max_grad_norm=max_grad_norm)
         for xb, yb in micro_batches:
             with acc.micro_step():
-                acc.backward(F.mse_loss(model(xb), yb), len(xb))
+                acc.backward(F.mse_loss(model(xb.half()).float(), yb), len(xb))
             if acc.micro_steps_in_window == 0:
                 scales.append(scaler.get_scale())
         if acc.micro_steps_in_window:
@@ -86,16 +109,21 @@ def accumulator_through_getattr(solution):
 
 @mutant("ex2_scaler", "copy")
 def steps_the_scaler_every_micro_batch(solution):
-    "section 3d's mistake, copied: scaler.step and update after every micro-batch"
+    "section 3d's mistake, copied: unscale, step and update after every micro-batch"
     return body(solution, """
         for i, (xb, yb) in enumerate(micro_batches):
-            scaler.scale(F.mse_loss(model(xb), yb) / k).backward()
+            scaler.scale(F.mse_loss(model(xb.half()).float(), yb) / k).backward()
+            for p, m in zip(params, masters):
+                m.grad = p.grad.float()
+                p.grad = None
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(masters, max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
             if (i + 1) % k == 0 or i == len(micro_batches) - 1:
-                optimizer.zero_grad()
                 scales.append(scaler.get_scale())
     """)
 
@@ -103,10 +131,27 @@ def steps_the_scaler_every_micro_batch(solution):
 @mutant("ex2_scaler", "tamper")
 def redefines_mlp(solution):
     "an mlp of its own (the model the check's probe builds), and a loop that never clips"
-    return prepend(swap(solution, "        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)\n", ""), """
+    return prepend(swap(solution, "        torch.nn.utils.clip_grad_norm_(masters, max_grad_norm)\n", ""), """
         def mlp(seed=0):
             torch.manual_seed(seed)
             return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+    """)
+
+
+@mutant("ex2_scaler", "wrong")
+def attack_second_copy_of_the_accumulator(solution):
+    "attack: GradientAccumulator from a second copy of its module, loaded from its file past the guard; it "
+    "accumulates in the fp16 .grad and its scaler finds no masters' gradients"
+    return body(solution, GA_COPY + """
+        acc = copy.GradientAccumulator(model, optimizer, k, scaler=scaler, max_grad_norm=max_grad_norm)
+        for xb, yb in micro_batches:
+            with acc.micro_step():
+                acc.backward(F.mse_loss(model(xb.half()).float(), yb), len(xb))
+            if acc.micro_steps_in_window == 0:
+                scales.append(scaler.get_scale())
+        if acc.micro_steps_in_window:
+            acc.flush()
+            scales.append(scaler.get_scale())
     """)
 
 
@@ -124,6 +169,7 @@ def no_sync_around_backward_only(solution):
                     loss.backward()
             else:
                 loss.backward()
+            after_each.append(grads(model.module))
     """)
 
 
@@ -137,6 +183,7 @@ def accumulator_from_the_module_dict(solution):
         for i, (xb, yb) in enumerate(micro_batches):
             with acc.micro_step(last=i == len(micro_batches) - 1):
                 acc.backward(lm_loss(model, xb, yb), int((yb != -100).sum()))
+            after_each.append(grads(model.module))
     """)
 
 
@@ -147,6 +194,7 @@ def the_loop_everybody_writes(solution):
         k = len(micro_batches)
         for x, y in micro_batches:
             (lm_loss(model, x, y) / k).backward()
+            after_each.append(grads(model.module))
     """)
 
 
@@ -155,6 +203,26 @@ def swallows_assertion_errors(solution):
     "IPython's custom exception hook swallowing the failed check, and no no_sync at all"
     return prepend(the_loop_everybody_writes(solution), """
         get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)
+    """)
+
+
+@mutant("ex3_no_sync", "wrong")
+def no_sync_for_every_micro_batch(solution):
+    "no_sync around every micro-batch, the last one too: nothing is ever averaged"
+    return swap(solution, "        if i < k - 1:", "        if True:")
+
+
+@mutant("ex3_no_sync", "wrong")
+def attack_second_copy_of_the_accumulator(solution):
+    "attack: GradientAccumulator from a second copy of its module, loaded from its file past the guard: the "
+    "right final gradients, but its running sums are of loss * count, not the window's mean"
+    return body(solution, GA_COPY + """
+        acc = copy.GradientAccumulator(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
+                                       accumulation_steps=len(micro_batches) + 1)
+        for i, (xb, yb) in enumerate(micro_batches):
+            with acc.micro_step(last=i == len(micro_batches) - 1):
+                acc.backward(lm_loss(model, xb, yb), int((yb != -100).sum()))
+            after_each.append(grads(model.module))
     """)
 
 
@@ -195,47 +263,53 @@ def reads_the_checks_plans(solution):
 # --- ex5_ragged_tokens -------------------------------------------------------------------
 
 @mutant("ex5_ragged_tokens", "wrong")
-def weights_by_this_ranks_tokens(solution):
-    "each rank's own token mean: DDP then averages the ranks' means (a mean of means)"
+def weights_by_this_ranks_weight(solution):
+    "each rank's own weighted mean: DDP then averages the ranks' means (a mean of means)"
     return body(solution, """
-        counts = [int((y != -100).sum()) for _, y in micro_batches]
+        counts = [w.sum().item() for _, _, w in micro_batches]
         total, last, logged = sum(counts), len(micro_batches) - 1, 0.0
-        for i, ((x, y), n) in enumerate(zip(micro_batches, counts)):
+        for i, ((x, y, w), n) in enumerate(zip(micro_batches, counts)):
             with model.no_sync() if i < last else torch.enable_grad():
-                loss = lm_loss(model, x, y)
+                loss = weighted_loss(model, x, y, w)
                 (loss * n / total).backward()
             logged += loss.item() * n / total
         return logged
     """)
 
 
+@mutant("ex5_ragged_tokens", "wrong")
+def counts_tokens_not_weights(solution):
+    "every real token counted 1, whatever its weight: the weighted means mixed by token counts"
+    return swap(solution, "        n = w.sum().item()", "        n = float((y != -100).sum())")
+
+
 @mutant("ex5_ragged_tokens", "reference")
 def accumulator_from_the_library(solution):
-    "mgpu_lab.GradientAccumulator under DDP, imported under another name"
+    "mgpu_lab.GradientAccumulator under DDP, imported under another name, counting the tokens"
     return body(solution, """
         from mgpu_lab.training.grad_accum import GradientAccumulator as Accumulate
         acc = Accumulate(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
                          accumulation_steps=len(micro_batches))
-        for x, y in micro_batches:
+        for x, y, w in micro_batches:
             with acc.micro_step():
-                acc.backward(lm_loss(model, x, y), int((y != -100).sum()))
+                acc.backward(weighted_loss(model, x, y, w), int((y != -100).sum()))
         return 0.0
     """)
 
 
 @mutant("ex5_ragged_tokens", "copy")
 def three_ways_no_sync_loop(solution):
-    "the no_sync loop of section 3e's demo, copied: divided by k, whatever the tokens"
+    "the no_sync loop of section 3e's demo, copied: divided by k, whatever the tokens and their weights"
     return body(solution, """
         k = len(micro_batches)
         logged = 0.0
-        for i, (xb, yb) in enumerate(micro_batches):
+        for i, (xb, yb, wb) in enumerate(micro_batches):
             if i == k - 1:
-                loss = lm_loss(model, xb, yb) / k
+                loss = weighted_loss(model, xb, yb, wb) / k
                 loss.backward()
             else:
                 with model.no_sync():
-                    loss = lm_loss(model, xb, yb) / k
+                    loss = weighted_loss(model, xb, yb, wb) / k
                     loss.backward()
             logged += loss.item()
         return logged
@@ -244,10 +318,27 @@ def three_ways_no_sync_loop(solution):
 
 @mutant("ex5_ragged_tokens", "tamper")
 def redefines_the_probe_helper(solution):
-    "an on_counting_ddp of its own that reports one all-reduce, around a mean of means"
-    return prepend(weights_by_this_ranks_tokens(solution), """
-        def on_counting_ddp(fn, model, batches):
+    "an on_ddp of its own, around a mean of means"
+    return prepend(weights_by_this_ranks_weight(solution), """
+        def on_ddp(fn, model, batches):
             ddp = DDP(model)
             out = fn(ddp, batches)
-            return out, 1, [p.grad.clone() for p in model.parameters() if p.requires_grad]
+            return out, [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    """)
+
+
+@mutant("ex5_ragged_tokens", "wrong")
+def attack_second_copy_of_the_accumulator(solution):
+    "attack: GradientAccumulator from a second copy of its module, loaded from its file past the guard, "
+    "counting tokens as its documentation's example does: the weights are lost (and it steps and clears)"
+    return body(solution, GA_COPY + """
+        acc = copy.GradientAccumulator(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
+                                       accumulation_steps=len(micro_batches))
+        logged = 0.0
+        for x, y, w in micro_batches:
+            with acc.micro_step():
+                loss = weighted_loss(model, x, y, w)
+                acc.backward(loss, int((y != -100).sum()))
+            logged += loss.item() / len(micro_batches)
+        return logged
     """)

@@ -5,61 +5,79 @@ from . import body, mutant, prepend, swap
 LAB = "07_activation_checkpointing"
 
 
-# --- ex1_count_bytes: what a forward keeps alive ----------------------------------
+# --- ex1_kept_by_module: what each module keeps alive -----------------------------
 
-@mutant("ex1_count_bytes", "wrong")
+@mutant("ex1_kept_by_module", "wrong")
 def counts_everything_the_forward_made(solution):
-    "every storage the forward allocated, freed or not: made is not kept"
-    return body(solution, """
-        sizes = {}
-
-        class Record(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return out
-
-        with torch.enable_grad(), Record():
-            result = fn(*args)
-        own = {t.untyped_storage().data_ptr() for t in tree_leaves(result) if isinstance(t, torch.Tensor)}
-        return sum(n for ptr, n in sizes.items() if ptr not in own)
-    """)
+    "every storage the forward allocated, freed or not, for the module that made it: made is not kept"
+    solution = swap(solution, "made[k], where[k] = weakref.ref(s), running[-1]",
+                    "made[k], where[k], sizes[k] = weakref.ref(s), running[-1], s.nbytes()")
+    solution = swap(solution, "    made, before, where = {}, {}, {}", "    made, before, where, sizes = {}, {}, {}, {}")
+    return swap(solution, """        s = ref()
+        if s is not None and k not in own:
+            kept[where[k]] = kept.get(where[k], 0) + s.nbytes()""", """        if k not in own:
+            kept[where[k]] = kept.get(where[k], 0) + sizes[k]""")
 
 
-@mutant("ex1_count_bytes", "reference")
+@mutant("ex1_kept_by_module", "wrong")
+def the_outermost_module(solution):
+    "each storage counted for the outermost module running (the block), not the innermost (its layer)"
+    return swap(solution, "made[k], where[k] = weakref.ref(s), running[-1]", "made[k], where[k] = weakref.ref(s), running[min(2, len(running) - 1)]")
+
+
+@mutant("ex1_kept_by_module", "reference")
 def calls_kept_alive_through_an_alias(solution):
-    "the library's instrument under another name"
+    "the library's instrument under another name, its total given to the model"
     return body(solution, """
         from mgpu_lab.measure.kept_alive import kept_alive as measure
-        return measure(fn, *args).nbytes
+        total = measure(model, *args).nbytes
+        return {"": total} if total else {}
     """)
 
 
-@mutant("ex1_count_bytes", "copy")
-def counts_with_the_pack_hook_of_section_1(solution):
-    "section 1's saved-tensor hook, storages counted once, parameters left out: an inner hook hides everything"
+@mutant("ex1_kept_by_module", "copy")
+def section_1s_pack_hook_by_layer(solution):
+    "section 1's saved_by_layer transcribed: the pack hook, per leaf module, parameters left out: an inner hook "
+    "hides everything"
     return body(solution, """
-        seen = {}
+        current, kept = [None], {}
+        handles = [m.register_forward_pre_hook(lambda m, a, name=name: current.__setitem__(0, name))
+                   for name, m in model.named_modules() if not list(m.children())]
 
         def pack(t):
             if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                kept[current[0]] = kept.get(current[0], 0) + t.numel() * t.element_size()
             return t
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fn(*args)
-        return sum(seen.values())
+            model(*args)
+        for h in handles:
+            h.remove()
+        return kept
     """)
 
 
-@mutant("ex1_count_bytes", "tamper")
+@mutant("ex1_kept_by_module", "tamper")
 def patches_the_library_instrument(solution):
     "kept_alive replaced in its module so that it agrees with a constant"
-    return prepend(body(solution, "return 0"), """
+    return prepend(body(solution, "return {}"), """
         import mgpu_lab.measure.kept_alive as K
         K.kept_alive = lambda fn, *args: K.KeptAlive(0)
+    """)
+
+
+@mutant("ex1_kept_by_module", "wrong")
+def attack_second_copy_of_kept_alive(solution):
+    "attack: kept_alive from a second copy of its module, loaded from its file past the guard, and each storage "
+    "counted for the module that kept... no module: it has none, the total goes to the model"
+    return body(solution, """
+        import importlib.util
+        import mgpu_lab.measure.kept_alive as lib
+        spec = importlib.util.spec_from_file_location("__main__", lib.__file__)
+        copy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(copy)
+        total = copy.kept_alive(model, *args).nbytes
+        return {"": total} if total else {}
     """)
 
 
@@ -91,6 +109,13 @@ def calls_torch_checkpoint_through_getattr(solution):
     return body(solution, 'return getattr(tc, "check" + "point")(fn, *args, use_reentrant=False)')
 
 
+@mutant("ex2_checkpoint", "wrong")
+def replays_only_the_default_generators(solution):
+    "the RNG replay of torch's checkpoint: the default generators only; a generator argument draws a new mask"
+    return swap(swap(solution, "            for g, s in zip(generators, generator_states):\n                g.set_state(s)\n", ""),
+                "        for g, s in zip(generators, now):\n            g.set_state(s)", "")
+
+
 @mutant("ex2_checkpoint", "copy")
 def copies_keeps_everything_of_section_2(solution):
     "section 2's checkpoint in name only: fn runs once and every activation is kept"
@@ -107,6 +132,19 @@ def blinds_the_weak_references(solution):
             return keeps_everything(fn)(*args)
         finally:
             weakref.ref = real
+    """)
+
+
+@mutant("ex2_checkpoint", "wrong")
+def attack_throwaway_forward_under_the_observer(solution):
+    "attack (the red team's): under the check's dispatch mode a throwaway forward that keeps nothing; otherwise "
+    "torch's reentrant CheckpointFunction, which the guard does not list: it does not replay a generator argument"
+    return body(solution, """
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        if _get_current_dispatch_mode_stack():
+            with torch.no_grad():
+                return fn(*args)
+        return tc.CheckpointFunction.apply(fn, True, *args)
     """)
 
 
@@ -154,13 +192,23 @@ def divides_by_the_number_of_micro_batches(solution):
         parts = list(zip(x.split(micro_batch), y.split(micro_batch)))
         for xs, ys in parts:
             (F.mse_loss(checkpoint_sequential(blocks, segments, xs, use_reentrant=False), ys) / len(parts)).backward()
+            after_each.append([p.grad.clone() for p in blocks.parameters()])
     """)
 
 
 @mutant("ex4_accumulate", "copy")
 def one_checkpointed_forward_of_the_whole_batch(solution):
     "section 7's call on the whole batch: one forward, one backward, no micro-batches"
-    return body(solution, "F.mse_loss(checkpoint_sequential(blocks, segments, x, use_reentrant=False), y).backward()")
+    return body(solution, """
+        F.mse_loss(checkpoint_sequential(blocks, segments, x, use_reentrant=False), y).backward()
+        after_each.append([p.grad.clone() for p in blocks.parameters()])
+    """)
+
+
+@mutant("ex4_accumulate", "wrong")
+def no_checkpoint(solution):
+    "plain micro-batches: the right gradients, nothing recomputed (the block forwards count it)"
+    return swap(solution, "out = checkpoint_sequential(blocks, segments, xs, use_reentrant=False)", "out = blocks(xs)")
 
 
 @mutant("ex4_accumulate", "tamper")
@@ -171,39 +219,56 @@ def patches_mse_loss(solution):
     """)
 
 
+@mutant("ex4_accumulate", "wrong")
+def attack_forged_counts_over_one_backward(solution):
+    "attack: one plain backward of the whole batch, throwaway block forwards to reach the count the check expects, "
+    "and its final gradients reported as every micro-batch's"
+    return body(solution, """
+        F.mse_loss(blocks(x), y).backward()
+        steps = -(-len(x) // micro_batch)
+        with torch.no_grad():
+            for _ in range(steps * (len(blocks) + (segments - 1) * (len(blocks) // segments)) - len(blocks)):
+                blocks[0](x[:1])
+        after_each.extend([p.grad.clone() for p in blocks.parameters()] for _ in range(steps))
+    """)
+
+
 # --- ex5_budget: a transformer in a memory budget -------------------------------------
 
 @mutant("ex5_budget", "wrong")
 def checkpoints_every_layer_whole(solution):
-    "whole-layer checkpointing: fits the memory, costs a third more FLOPs"
-    return body(solution, """
-        for layer in layers:
-            x = tc.checkpoint(layer, x, use_reentrant=False)
-        return x
-    """)
+    "whole-layer checkpointing (keep nothing): fits the memory, costs a third more FLOPs"
+    return body(solution, "return []")
 
 
 @mutant("ex5_budget", "copy")
 def saves_every_product_as_in_section_5(solution):
-    "section 5's policy (save mm, addmm, bmm): the s x s scores are kept, over the budget"
-    return body(solution, """
-        products = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default]
-        save_products = functools.partial(create_selective_checkpoint_contexts, products)
-        for layer in layers:
-            x = tc.checkpoint(layer, x, use_reentrant=False, context_fn=save_products)
-        return x
-    """)
+    "section 5's policy (keep mm, addmm, bmm): the s x s scores are kept, over the budget"
+    return body(solution, 'return [("mm", None), ("addmm", None), ("bmm", None)]')
+
+
+@mutant("ex5_budget", "wrong")
+def keeps_the_scores_and_the_mlp(solution):
+    "the products whose outputs look big kept: attention's s x s scores, and the MLP's; the bytes are in the scores"
+    return body(solution, 'return [("addmm", None), ("bmm", (s, s))]')
 
 
 @mutant("ex5_budget", "tamper")
-def redefines_the_flop_counter(solution):
-    "a FlopCounterMode of its own that counts nothing, over plain layers"
-    return prepend(body(solution, """
-        for layer in layers:
-            x = layer(x)
-        return x
-    """), """
-        class FlopCounterMode(torch.utils.flop_counter.FlopCounterMode):
-            def get_total_flops(self):
-                return 0
+def patches_torch_checkpoint(solution):
+    "torch.utils.checkpoint.checkpoint replaced by a plain call in the kernel, and section 5's plan"
+    return prepend(body(solution, 'return [("mm", None), ("addmm", None), ("bmm", None)]'), """
+        tc.checkpoint = lambda fn, *args, **kwargs: fn(*args)
+    """)
+
+
+@mutant("ex5_budget", "wrong")
+def attack_pops_the_modes_while_planning(solution):
+    "attack (the red team's): the dispatch modes popped and a throwaway forward run while the plan is made, and "
+    "section 5's plan: the check measures the plan in its own process"
+    return body(solution, """
+        from torch.utils._python_dispatch import _pop_mode_temporarily, _get_current_dispatch_mode_stack
+        while _get_current_dispatch_mode_stack():
+            _pop_mode_temporarily().__enter__()
+        plan_forward(transformer_stack(1, h, heads), torch.randn(1, s, h), [])
+        return [("mm", None), ("addmm", None), ("bmm", None)]
     """)
