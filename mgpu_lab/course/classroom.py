@@ -16,6 +16,7 @@ from .gradebook import POLICIES, Gradebook, lab_points
 from .grader import grade_notebook, load_solutions
 from .handins import Submission, find_submissions, only_labs
 from .layout import course_dir, find_root
+from .lms import read_roster, write_canvas_csv, write_nbgrader
 from .report import print_details, print_summary, write_csv, write_feedback, write_json, write_report
 from .sandbox import Limits, Sandbox, probe, run_as_user
 from .scoring import NotebookGrade, brief
@@ -135,13 +136,13 @@ def _grade(args, solutions, submissions, labs, roster, run_as, unpacked) -> int:
         if path:
             write(path)
     if args.canvas:
-        from .lms import write_canvas_csv
         for student in write_canvas_csv(book, args.canvas, roster):
             print(f"mgpu-lab grade: {student} is not in the roster: added at the end of "
                   f"{args.canvas} with the id Canvas gave (or none)", file=sys.stderr)
     if args.nbgrader:
-        from .lms import write_nbgrader
-        count = write_nbgrader(book, args.nbgrader, args.nbgrader_assignment)
+        count, skipped = write_nbgrader(book, args.nbgrader, args.nbgrader_assignment)
+        for why in skipped:
+            print(f"mgpu-lab grade: not in the nbgrader gradebook: {why}", file=sys.stderr)
         print(f"{count} scores written to {args.nbgrader} (nbgrader export reads them)")
     failed = [g for g in grades if g.error and g.error.startswith("GraderError")]
     for g in failed:

@@ -24,7 +24,7 @@ import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .report import spreadsheet_safe
 
@@ -178,20 +178,35 @@ def _uid(book, student: str) -> Optional[str]:
 
 # --- nbgrader ------------------------------------------------------------------------------
 
-def write_nbgrader(book, db: str, assignment: Optional[str] = None) -> int:
+def write_nbgrader(book, db: str, assignment: Optional[str] = None) -> Tuple[int, List[str]]:
     """Each counted notebook's exercise scores as the ``auto_score`` of its graded cells in
     the nbgrader gradebook ``db`` (a path or an SQLAlchemy URL), where ``nbgrader export``
     reads them. The assignment is ``assignment``, else the notebook's folder (nbgrader's
-    ``submitted/<student>/<assignment>/<notebook>.ipynb``); the notebook is its file's
-    stem. The assignment and its notebooks must be in the database (``nbgrader
-    generate_assignment``); students and submissions are added. Returns the grades written."""
+    ``submitted/<student>/<assignment>/<notebook>.ipynb``); the notebook is the lab id
+    when the assignment has a notebook of that name, else the file's stem. The assignment
+    and its notebooks must be in the database (``nbgrader generate_assignment``); students
+    and submissions are added. ``(grades written, notebooks skipped and why)``."""
+    import sys
+    import warnings
+    here = os.path.dirname(sys.executable)  # nbgrader runs `alembic` from PATH: this Python's
+    if here not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     from nbgrader.api import Gradebook as NbgraderBook, MissingEntry
     url = db if "://" in db else f"sqlite:///{Path(db).resolve()}"
-    written = 0
-    with NbgraderBook(url) as gb:
+    written, skipped = 0, []
+    with warnings.catch_warnings(), NbgraderBook(url) as gb:
+        warnings.simplefilter("ignore")          # SQLAlchemy's, about nbgrader's own session use
         for g in book.counted_grades():
             name = assignment or Path(g.path).parent.name
-            notebook = Path(g.path).stem
+            try:
+                names = {n.name for n in gb.find_assignment(name).notebooks}
+            except MissingEntry:
+                skipped.append(f"{g.path}: no assignment {name!r} in {db}")
+                continue
+            notebook = g.lab if g.lab in names else Path(g.path).stem
+            if notebook not in names:
+                skipped.append(f"{g.path}: no notebook {g.lab!r} in assignment {name!r}")
+                continue
             try:
                 gb.find_student(g.student)
             except MissingEntry:
@@ -201,8 +216,12 @@ def write_nbgrader(book, db: str, assignment: Optional[str] = None) -> int:
             except MissingEntry:
                 gb.add_submission(name, g.student)
             for e in g.exercises:
-                grade = gb.find_grade(e.grade_id, notebook, name, g.student)
+                try:
+                    grade = gb.find_grade(e.grade_id, notebook, name, g.student)
+                except MissingEntry:
+                    skipped.append(f"{g.path}: no graded cell {e.grade_id!r} in {notebook!r}")
+                    continue
                 grade.auto_score = e.score
                 written += 1
             gb.db.commit()
-    return written
+    return written, skipped
