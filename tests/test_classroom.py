@@ -270,3 +270,60 @@ def test_what_a_student_left_explains_the_failure_without_a_kernel():
     mine = toy(first="import math\nx = (")
     found = attempts_of(prepare_submission(mine, instructor), instructor)
     assert found["add_test"][0] == "SyntaxError" and found["add_test"][2] is False
+
+
+# --- releases and authoring ----------------------------------------------------------------
+
+def course(tmp: Path, edit=None) -> Path:
+    """A checkout with the toy lab's solution (``edit(nb)`` applied to it)."""
+    (tmp / "solutions").mkdir(parents=True, exist_ok=True)
+    nb = nbformat.read(TOY, as_version=4)
+    nb.metadata["mgpu_lab"]["lab"] = "01_toy"
+    if edit:
+        edit(nb)
+    nbformat.write(nb, tmp / "solutions" / "01_toy.ipynb")
+    return tmp
+
+
+def test_labs_build_refuses_an_assert_without_a_message_hidden_ones_too(tmp_path, capsys):
+    def hidden(nb):
+        nb.cells[5].source = nb.cells[5].source.replace("cases += [(-1, 4)]",
+                                                        "cases += [(-1, 4)]\nassert cases")
+    assert cli(["labs", "build", "--root", str(course(tmp_path, hidden))]) == 2
+    err = capsys.readouterr().err
+    assert "cell 5 (mul_test): line 4: an assert without a message" in err
+    assert not (tmp_path / "labs" / "01_toy.ipynb").exists()
+
+
+def test_labs_build_refuses_a_heading_that_states_other_points(tmp_path, capsys):
+    def heading(nb):
+        nb.cells.insert(4, nbformat.v4.new_markdown_cell("### Exercise 2 (2 points): `mul`"))
+    root = course(tmp_path, heading)
+    assert cli(["labs", "build", "--root", str(root)]) == 2
+    assert "its heading says 2 points, its metadata 3" in capsys.readouterr().err
+
+    def right(nb):
+        nb.cells.insert(4, nbformat.v4.new_markdown_cell("### Exercise 2 (3 points): `mul`"))
+    assert cli(["labs", "build", "--root", str(course(tmp_path, right))]) == 0
+
+
+def test_a_lab_version_changes_with_its_graded_cells_only(tmp_path):
+    from mgpu_lab.course.exercises import lab_version
+    assert cli(["labs", "build", "--root", str(course(tmp_path))]) == 0
+    built = nbformat.read(tmp_path / "labs" / "01_toy.ipynb", as_version=4)
+    first = built.metadata["mgpu_lab"]["version"]
+    assert first == lab_version(nbformat.read(tmp_path / "solutions" / "01_toy.ipynb", as_version=4))
+
+    def prose(nb):
+        nb.cells[0].source += "\nMore words."
+    course(tmp_path, prose)
+    assert cli(["labs", "build", "--root", str(tmp_path)]) == 0
+    assert nbformat.read(tmp_path / "labs" / "01_toy.ipynb", as_version=4).metadata[
+        "mgpu_lab"]["version"] == first
+
+    def points(nb):
+        nb.cells[5].metadata["nbgrader"]["points"] = 4
+    course(tmp_path, points)
+    assert cli(["labs", "build", "--root", str(tmp_path)]) == 0
+    assert nbformat.read(tmp_path / "labs" / "01_toy.ipynb", as_version=4).metadata[
+        "mgpu_lab"]["version"] != first
