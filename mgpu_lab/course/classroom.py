@@ -1,8 +1,10 @@
-"""``mgpu-lab grade``: a class's folder in, a table, JSON, CSV and feedback out.
+"""``mgpu-lab grade``: a class's folder in; a summary, a report, JSON, CSV, feedback and
+the LMS's gradebooks out.
 
-See :mod:`mgpu_lab.course.grader` for what happens to each notebook. Here: who
-handed in what (:func:`find_submissions`), grading N notebooks at once
-(``--jobs``: each one is its own sandboxed runner process), and the command.
+See :mod:`mgpu_lab.course.grader` for what happens to each notebook. Here: grading N
+notebooks at once (``--jobs``: each one is its own sandboxed runner process) and the
+command; who handed in what is :mod:`.handins`'s, which notebook counts
+:mod:`.gradebook`'s, the reports :mod:`.report`'s and :mod:`.lms`'s.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """The autograder: score a class's notebooks, each in a sandboxed fresh kernel.
 
-    mgpu-lab grade PATH... [--root DIR | --solutions DIR] [--json FILE] [--csv FILE]
-                   [--feedback DIR] [--jobs N] [--timeout S] [--total-timeout S]
-                   [--no-sandbox] [--memory GIB]
+    mgpu-lab grade PATH... [--root DIR | --solutions DIR] [--lab NN...] [--policy P]
+                   [--json FILE] [--csv FILE] [--report FILE] [--feedback DIR]
+                   [--roster CSV] [--canvas FILE] [--nbgrader DB] [--jobs N]
+                   [--timeout S] [--total-timeout S] [--no-sandbox [--run-as USER]]
+                   [--memory GIB]
 
 PATH is a notebook, or a class folder: ``DIR/<student>/**/*.ipynb`` (so
 nbgrader's ``submitted/<student>/<lab>/`` too) and flat ``DIR/*.ipynb`` (the

@@ -25,7 +25,10 @@ def _cmd_build(args) -> int:
         args.solutions, args.labs = course_dir(args, "solutions"), course_dir(args, "labs")
         stale = build_labs(args.solutions, args.labs, check=args.check, only=args.notebooks)
     except (MarkerError, FileNotFoundError) as err:
-        print(f"mgpu-lab labs build: {err}", file=sys.stderr)
+        for item in getattr(err, "stale", []):
+            print(f"{'stale' if args.check else 'written'}: {item}")
+        print(f"mgpu-lab labs build: refused, the other labs are "
+              f"{'checked' if args.check else 'built'}:\n{err}", file=sys.stderr)
         return 2
     for item in stale:
         print(f"{'stale' if args.check else 'written'}: {item}")

@@ -207,7 +207,9 @@ def build_labs(solutions: Path, labs: Path, check: bool = False,
             if not check:
                 orphan.unlink()
     if refused:
-        raise MarkerError("\n".join(refused))
+        error = MarkerError("\n".join(refused))
+        error.stale = stale                  # what was written (or is stale) all the same
+        raise error
     return stale
 
 
