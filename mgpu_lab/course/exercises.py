@@ -23,7 +23,8 @@ import json
 import re
 from typing import Dict, List, Optional, Tuple
 
-from .cells import course_meta, exercise_of, graded_cells, nbgrader_meta, parse, setup_sources
+from .cells import (IPYTHON_LINES, course_meta, exercise_of, graded_cells, nbgrader_meta,
+                    parse, setup_sources)
 
 HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
 POINTS = re.compile(r"(\d+(?:\.\d+)?)\s+points?\b", re.I)
@@ -140,11 +141,14 @@ def syntax_error(source: str) -> Optional[Tuple[int, str]]:
     """``(line, what)`` when a cell is not valid Python, even read as IPython syntax."""
     if parse(source) is not None:
         return None
-    try:
-        from IPython.core.inputtransformer2 import TransformerManager
-        python = TransformerManager().transform_cell(source)
-    except Exception:
-        python = source
+    python = source
+    magics = sum(1 for line in source.splitlines() if line.lstrip()[:1] in ("%", "!"))
+    if magics <= IPYTHON_LINES:          # IPython's transformer is quadratic in them
+        try:
+            from IPython.core.inputtransformer2 import TransformerManager
+            python = TransformerManager().transform_cell(source)
+        except Exception:
+            python = source
     try:
         ast.parse(python)
     except SyntaxError as err:

@@ -176,7 +176,10 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
         run = None
         grade.error = f"GraderError: {brief(str(err))}"
     where, named = {gid: i for i, gid in prepared.graded.items()}, titles(instructor)
-    attempts = attempts_of(prepared, instructor)
+    try:
+        attempts = attempts_of(prepared, instructor)
+    except (RecursionError, MemoryError, ValueError):   # an explanation, never a cost
+        attempts = {}
     for gid, cell in graded_cells(instructor).items():
         found = evidence(gid, cell, where.get(gid), prepared, tampered, static, run)
         attempt = attempts.get(gid)      # a syntax error elsewhere explains a NameError only
