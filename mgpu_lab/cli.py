@@ -7,6 +7,7 @@ Each subcommand lives in the module of its concept, which defines
     mgpu-lab doctor   what this machine can do, and what is off  (doctor.py)
     mgpu-lab labs     build, execute, copy or check labs          (course/labs_command.py)
     mgpu-lab grade    score students' notebooks                  (course/classroom.py)
+    mgpu-lab export   the grader for Gradescope or PrairieLearn  (course/export.py)
     mgpu-lab tour     run every solution notebook, headless      (tour.py)
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ SUBCOMMANDS = {
     "doctor": "runtime.doctor",
     "labs": "course.labs_command",
     "grade": "course.classroom",
+    "export": "course.export",
     "tour": "course.tour",
 }
 

@@ -49,14 +49,36 @@ def test_labs_copy_from_the_checkout_never_overwrites(tmp_path, monkeypatch, cap
     assert cli(["labs", "copy", str(tmp_path / "mine")]) == 0
     names = sorted(p.name for p in (tmp_path / "mine").glob("*.ipynb"))
     assert names == sorted(p.name for p in (ROOT / "labs").glob("*.ipynb"))
-    assert cli(["labs", "copy", str(tmp_path / "mine")]) == 2
-    assert "already has" in capsys.readouterr().err
+    (tmp_path / "mine" / "00_setup.ipynb").write_text("my work")
+    capsys.readouterr()
+    assert cli(["labs", "copy", str(tmp_path / "mine")]) == 0     # nothing new: nothing changes
+    assert (tmp_path / "mine" / "00_setup.ipynb").read_text() == "my work"
+    assert "kept" in capsys.readouterr().out
+
+
+def test_labs_copy_adds_the_next_labs_to_a_folder_with_the_learners_work(tmp_path, monkeypatch,
+                                                                         capsys):
+    """A learner fetches lab 06 into the folder where lab 00 holds their work."""
+    monkeypatch.chdir(ROOT)
+    mine = tmp_path / "mine"
+    assert cli(["labs", "copy", str(mine), "--labs", "00"]) == 0
+    assert [p.name for p in mine.glob("*.ipynb")] == ["00_setup.ipynb"]
+    (mine / "00_setup.ipynb").write_text("my work")
+    assert cli(["labs", "copy", str(mine), "--labs", "00", "06_gradient_accumulation"]) == 0
+    assert sorted(p.name for p in mine.glob("*.ipynb")) == ["00_setup.ipynb",
+                                                            "06_gradient_accumulation.ipynb"]
+    assert (mine / "00_setup.ipynb").read_text() == "my work"
+    out = capsys.readouterr().out
+    assert "kept" in out and "00_setup.ipynb" in out and "copied 1 lab(s)" in out
+    assert cli(["labs", "copy", str(mine), "--labs", "99"]) == 2
+    assert "no lab 99" in capsys.readouterr().err
 
 
 def test_labs_copy_without_a_checkout_uses_the_installed_labs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(layout, "packaged_labs", lambda: ROOT / "labs")
-    assert copy_labs(tmp_path / "learner") == sorted(p.name for p in (ROOT / "labs").glob("*.ipynb"))
+    assert copy_labs(tmp_path / "learner") == (
+        sorted(p.name for p in (ROOT / "labs").glob("*.ipynb")), [])
 
 
 def test_wheel_contains_every_package_and_the_labs(tmp_path):

@@ -21,7 +21,7 @@ from mgpu_lab.course import guard
 from mgpu_lab.course.grader import grade_notebook, load_solutions, match_lab
 from mgpu_lab.course.kernel import run_notebook
 from mgpu_lab.course.notebooks import make_lab
-from mgpu_lab.course.report import print_table
+from mgpu_lab.course.report import print_details, print_summary
 from mgpu_lab.course.sandbox import Limits, Sandbox, probe
 from mgpu_lab.course.scoring import ExerciseScore, NotebookGrade, brief
 from mgpu_lab.course.submission import prepare_submission
@@ -187,8 +187,8 @@ def test_renamed_notebook_matched_by_lab_id(graded):
 
 def test_without_lab_id_matched_by_graded_cell_ids(graded):
     bob = graded[1]["bob"]
-    assert bob["lab"] == "toy" and scores(bob) == {"add_test": (2, None),
-                                                   "mul_test": (0, "NotImplementedError")}
+    assert bob["lab"] == "toy" and scores(bob) == {"add_test": (2, None),   # mul: the stub
+                                                   "mul_test": (0, "NotAttempted")}
     assert "matched by its graded cell ids" in bob["notes"]
 
 
@@ -245,7 +245,7 @@ def test_unreadable_notebook_is_reported(graded):
 def test_csv_one_row_per_student_a_column_per_lab_and_exercise(graded):
     rows = graded[2]
     assert rows["bob"]["toy"] == "2.0" and rows["bob"]["toy:add_test"] == "2.0"
-    assert rows["bob"]["toy:mul_test"] == "0.0" and rows["bob"]["max_total"] == "5.0"
+    assert rows["bob"]["toy:mul_test"] == "0.0" and rows["bob"]["max_total"] == "6.0"  # + ring
     assert rows["alice"]["total"] == "5.0"
     columns = list(rows["alice"])
     assert columns[:3] == ["student", "total", "max_total"]
@@ -256,7 +256,7 @@ def test_csv_one_row_per_student_a_column_per_lab_and_exercise(graded):
 def test_feedback_per_student_and_lab_without_hidden_tests(graded):
     out = graded[3]
     text = (out / "frank" / "toy.md").read_text()
-    assert "| mul\\_test | 0 / 3 | NameError\\: name 'mul' is not defined; raised in the check" in text
+    assert "| mul | 0 / 3 | NameError\\: name 'mul' is not defined; raised in the check" in text
     every = "".join(p.read_text() for p in out.rglob("*.md"))
     assert "mul(-1, 4)" not in every and "BEGIN HIDDEN" not in every
     assert (out / "carol" / "toy.md").exists() and (out / "bob" / "toy.md").exists()
@@ -485,9 +485,12 @@ def test_report_names_the_cause_inside_a_launch_error_and_totals():
                   "t", 0.0, 2.0, "LaunchError", brief(launch_error))]),
               NotebookGrade("a/01.ipynb", "01.ipynb", "a", "01", [ExerciseScore("u", 3.0, 3.0)])]
     out = io.StringIO()
-    print_table(grades, "sandbox: OFF (test)", file=out)
+    print_details(grades, file=out)
     assert "LaunchError: rank 1 failed" in out.getvalue()
-    assert "total: 3/5 over 2 notebooks, 1 students" in out.getvalue()
+    out = io.StringIO()
+    print_summary(grades, "sandbox: OFF (test)", file=out)
+    assert out.getvalue().splitlines()[1].split() == ["a", "0/2", "3/3", "3/5"]
+    assert "class: 3/5 over 1 students, 2 notebook(s) counted of 2" in out.getvalue()
 
 
 def test_total_timeout_bounds_the_notebook():
@@ -712,4 +715,5 @@ def test_h3_what_a_report_may_say_about_a_kernel_error_without_kernels():
                         cells, graded, set())[1].startswith("a rank raised Exception")
     assert kernel_error("ValueError", "x", [(2, 99), (7, 1)], cells, graded, set())[1] == ""
     assert verdict_text("TypeError", "got 'secret'", 5) == ("TypeError", "raised by the check, line 5")
-    assert verdict_text("AssertionError", "off by one", 5) == ("AssertionError", "off by one")
+    assert verdict_text("AssertionError", "off by one", 5) == ("AssertionError",
+                                                              "off by one (check line 5)")

@@ -53,7 +53,8 @@ SIDES = {
     "shared": {"__init__", "protocol", "cells", "graded_cell", "guard"},
     "grader": {"grader", "session", "scoring", "submission", "tamper", "judge", "report",
                "classroom", "notebooks", "labs_command", "layout", "tour", "gpu_pass",
-               "author_check", "judge_pool"},
+               "author_check", "judge_pool", "exercises", "gradebook", "handins", "lms",
+               "platforms", "export"},
 }
 
 

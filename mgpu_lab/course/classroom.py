@@ -1,59 +1,29 @@
-"""``mgpu-lab grade``: a class's folder in, a table, JSON, CSV and feedback out.
+"""``mgpu-lab grade``: a class's folder in; a summary, a report, JSON, CSV, feedback and
+the LMS's gradebooks out.
 
-See :mod:`mgpu_lab.course.grader` for what happens to each notebook. Here: who
-handed in what (:func:`find_submissions`), grading N notebooks at once
-(``--jobs``: each one is its own sandboxed runner process), and the command.
+See :mod:`mgpu_lab.course.grader` for what happens to each notebook. Here: grading N
+notebooks at once (``--jobs``: each one is its own sandboxed runner process) and the
+command; who handed in what is :mod:`.handins`'s, which notebook counts
+:mod:`.gradebook`'s, the reports :mod:`.report`'s and :mod:`.lms`'s.
 """
 from __future__ import annotations
 
-import os
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List, NamedTuple, Optional
+from typing import List
 
+from .gradebook import POLICIES, Gradebook, lab_points
 from .grader import grade_notebook, load_solutions
+from .handins import Submission, find_submissions, only_labs
 from .layout import course_dir, find_root
-from .report import print_table, write_csv, write_feedback, write_json
-from .sandbox import Limits, probe
+from .lms import read_roster, write_canvas_csv, write_nbgrader
+from .report import print_details, print_summary, write_csv, write_feedback, write_json, write_report
+from .sandbox import Limits, Sandbox, probe, run_as_user
 from .scoring import NotebookGrade, brief
 
-
-class Submission(NamedTuple):
-    student: str
-    path: Path
-    folder: Optional[str] = None     # the real folder it must be in (None: named by hand)
-
-
-def _notebooks(folder: Path) -> List[Path]:
-    return sorted(p for p in folder.rglob("*.ipynb")
-                  if ".ipynb_checkpoints" not in p.parts and p.is_file())
-
-
-def find_submissions(paths) -> List[Submission]:
-    """``[(student, notebook, folder)]``. A folder holds a folder per student (any depth
-    below it, so nbgrader's ``submitted/<student>/<lab>/`` works: pass ``submitted``)
-    and/or flat notebooks (student = file stem). A notebook named on the command line is
-    its own student (its path without ``.ipynb``). ``folder``: the real path a found
-    notebook must lie in (its student's folder, or the class folder for a flat one):
-    one that a symbolic link takes elsewhere is refused when graded."""
-    found = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            if (p / "submitted").is_dir():
-                p = p / "submitted"
-            real = os.path.realpath(p)
-            for child in sorted(p.iterdir()):
-                if child.is_dir() and child.name != ".ipynb_checkpoints":
-                    own = os.path.join(real, child.name)
-                    found += [Submission(child.name, nb, own) for nb in _notebooks(child)]
-                elif child.suffix == ".ipynb" and child.is_file():
-                    found.append(Submission(child.stem, child, real))
-        elif p.is_file():
-            found.append(Submission(str(p.with_suffix("")), p))
-        else:
-            raise FileNotFoundError(f"no such notebook or folder: {p}")
-    return found
+__all__ = ["Submission", "find_submissions", "grade_class", "only_labs"]
 
 
 def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
@@ -114,25 +84,38 @@ def _cmd_grade(args) -> int:
     if not solutions.is_dir() or not any(solutions.glob("*.ipynb")):
         return usage(f"no solution notebooks in {solutions}; pass --solutions DIR or --root DIR")
     try:
-        submissions = find_submissions(args.paths)
-    except FileNotFoundError as err:
+        roster = read_roster(args.roster) if args.roster else None
+        run_as = run_as_user(args.run_as) if args.run_as else None
+    except (OSError, ValueError, KeyError) as err:
         return usage(str(err))
-    if not submissions:
-        return usage("no notebooks found in " + " ".join(args.paths))
+    if run_as and not args.no_sandbox:
+        return usage("--run-as goes with --no-sandbox (in the sandbox the kernel is nobody already)")
+    with tempfile.TemporaryDirectory(prefix="mgpu-lab-downloads-") as unpacked:
+        try:
+            submissions = find_submissions(args.paths, unpacked)
+            labs = load_solutions(solutions)
+            if args.lab:
+                submissions, labs = only_labs(submissions, labs, args.lab)
+        except (FileNotFoundError, ValueError, OSError) as err:
+            return usage(str(err))
+        if not submissions:
+            return usage("no notebooks found in " + " ".join(args.paths)
+                         + (f" for lab {' '.join(args.lab)}" if args.lab else ""))
+        return _grade(args, solutions, submissions, labs, roster, run_as, unpacked)
+
+
+def _grade(args, solutions, submissions, labs, roster, run_as, unpacked) -> int:
     hidden = [solutions.resolve(), Path.home()]
     try:
         hidden.append(find_root(solutions))
     except FileNotFoundError:
         pass
-    box = probe(hidden) if not args.no_sandbox else None
-    if box is None:
-        from .sandbox import Sandbox
-        box = Sandbox(False, "--no-sandbox")
+    box = probe(hidden) if not args.no_sandbox else Sandbox(False, "--no-sandbox", run_as=run_as)
     line = box.describe()
     print(line, flush=True)                  # the first line says what protects you
     if not box.available and not args.no_sandbox:
-        return usage(NO_SANDBOX.format(reason=box.reason))
-    labs = load_solutions(solutions)
+        print(f"mgpu-lab grade: {NO_SANDBOX.format(reason=box.reason)}", file=sys.stderr)
+        return 2
     limits = Limits(memory_gib=args.memory)
     try:
         grades = grade_class(submissions, labs, box, limits, args.timeout, args.total_timeout,
@@ -140,13 +123,29 @@ def _cmd_grade(args) -> int:
     except KeyboardInterrupt:
         print("mgpu-lab grade: interrupted; nothing written", file=sys.stderr)
         return 130
-    print_table(grades, line)
-    if args.json:
-        write_json(grades, args.json, line)
-    if args.csv:
-        write_csv(grades, args.csv)
-    if args.feedback:
-        write_feedback(grades, args.feedback)
+    for g in grades:                  # a download's notebook, named after the zip it came in
+        if g.path.startswith(unpacked):
+            g.path = str(Path(g.path).name)
+    book = Gradebook(grades, lab_points(labs), args.policy,
+                     labs if args.lab else None)
+    if args.details:
+        print_details(book)
+    print_summary(book, line)
+    for path, write in ((args.json, lambda p: write_json(book, p, line)),
+                        (args.csv, lambda p: write_csv(book, p)),
+                        (args.report, lambda p: write_report(book, p, line)),
+                        (args.feedback, lambda p: write_feedback(book, p))):
+        if path:
+            write(path)
+    if args.canvas:
+        for student in write_canvas_csv(book, args.canvas, roster):
+            print(f"mgpu-lab grade: {student} is not in the roster: added at the end of "
+                  f"{args.canvas} with the id Canvas gave (or none)", file=sys.stderr)
+    if args.nbgrader:
+        count, skipped = write_nbgrader(book, args.nbgrader, args.nbgrader_assignment)
+        for why in skipped:
+            print(f"mgpu-lab grade: not in the nbgrader gradebook: {why}", file=sys.stderr)
+        print(f"{count} scores written to {args.nbgrader} (nbgrader export reads them)")
     failed = [g for g in grades if g.error and g.error.startswith("GraderError")]
     for g in failed:
         print(f"mgpu-lab grade: could not grade {g.path}: {g.error}", file=sys.stderr)
@@ -158,13 +157,29 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("grade", help="score a class's notebooks (sandboxed)",
                               description=grader.__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", metavar="PATH",
-                   help="notebooks, or class folders (DIR/<student>/..., flat DIR/*.ipynb)")
+                   help="notebooks, class folders (DIR/<student>/..., flat DIR/*.ipynb), or "
+                        "a Canvas submissions download (its zip or its folder)")
     p.add_argument("--root", help="the course checkout (default: found from cwd)")
     p.add_argument("--solutions", help="instructor notebooks (default: ROOT/solutions)")
+    p.add_argument("--lab", nargs="+", metavar="NN", help="grade only these labs of the folder")
+    p.add_argument("--policy", choices=POLICIES, default="best",
+                   help="of several notebooks for one lab, which counts (best)")
     p.add_argument("--json", metavar="FILE", help="everything, per exercise, as JSON")
     p.add_argument("--csv", metavar="FILE", help="one row per student, a column per lab "
                    "and per exercise")
+    p.add_argument("--report", metavar="FILE", help="the instructor's report: the summary, "
+                   "then every notebook's details")
+    p.add_argument("--details", action="store_true",
+                   help="print every notebook's details above the summary")
     p.add_argument("--feedback", metavar="DIR", help="DIR/<student>/<lab>.md for each student")
+    p.add_argument("--roster", metavar="CSV", help="who the students are (Canvas's gradebook "
+                   "export, or any CSV with a folder/ID/SIS Login ID column)")
+    p.add_argument("--canvas", metavar="FILE", help="Canvas's gradebook import CSV (with "
+                   "--roster: its identity columns and assignment columns)")
+    p.add_argument("--nbgrader", metavar="DB", help="write the scores into this nbgrader "
+                   "gradebook (gradebook.db), where `nbgrader export` reads them")
+    p.add_argument("--nbgrader-assignment", metavar="NAME",
+                   help="the nbgrader assignment (default: each notebook's folder)")
     p.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (1)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per cell (120)")
     p.add_argument("--total-timeout", type=float, default=1800.0,
@@ -173,5 +188,7 @@ def add_parser(subparsers) -> None:
                    help="GiB of memory per notebook's sandbox (8)")
     p.add_argument("--no-sandbox", action="store_true",
                    help="run submissions with your permissions (trusted notebooks only)")
+    p.add_argument("--run-as", metavar="USER", help="with --no-sandbox, as root: run the "
+                   "kernels as USER (e.g. nobody), who must not be able to read the solutions")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_grade)

@@ -1,8 +1,10 @@
 """The autograder: score a class's notebooks, each in a sandboxed fresh kernel.
 
-    mgpu-lab grade PATH... [--root DIR | --solutions DIR] [--json FILE] [--csv FILE]
-                   [--feedback DIR] [--jobs N] [--timeout S] [--total-timeout S]
-                   [--no-sandbox] [--memory GIB]
+    mgpu-lab grade PATH... [--root DIR | --solutions DIR] [--lab NN...] [--policy P]
+                   [--json FILE] [--csv FILE] [--report FILE] [--feedback DIR]
+                   [--roster CSV] [--canvas FILE] [--nbgrader DB] [--jobs N]
+                   [--timeout S] [--total-timeout S] [--no-sandbox [--run-as USER]]
+                   [--memory GIB]
 
 PATH is a notebook, or a class folder: ``DIR/<student>/**/*.ipynb`` (so
 nbgrader's ``submitted/<student>/<lab>/`` too) and flat ``DIR/*.ipynb`` (the
@@ -39,7 +41,9 @@ from typing import Dict, Optional
 import nbformat
 
 from . import graded_cell
-from .cells import given_statements, graded_cells, lab_id, nbgrader_meta, observed_of, parse
+from .cells import (exercise_of, given_statements, graded_cells, lab_id, nbgrader_meta,
+                    observed_of, parse)
+from .exercises import lab_version, submitted_version, syntax_error, titles, untouched
 from .guard import called_in, forbidden_of, notebook_violations
 from .sandbox import Limits, Sandbox
 from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
@@ -143,6 +147,12 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
         grade.error = f"NoLab: {how}"
         return grade
     instructor = labs[grade.lab]
+    grade.submitted_at = os.path.getmtime(real)
+    grade.version = lab_version(instructor)
+    made_from = submitted_version(submission)
+    if made_from and made_from != grade.version:
+        grade.notes.append(f"made from version {made_from} of the lab, graded with version "
+                           f"{grade.version}: its checks or points have changed since")
     if how != "lab id":
         grade.notes.append(f"matched by its {how}")
     prepared = prepare_submission(submission, instructor)
@@ -152,7 +162,7 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
     except Unanalysable as err:        # costs this notebook: every exercise 0
         grade.error = f"Unanalysable: {err}"
         grade.exercises = [ExerciseScore(gid, 0.0, float(nbgrader_meta(c)["points"]),
-                                         "Unanalysable", str(err))
+                                         "Unanalysable", str(err), title=titles(instructor)[gid])
                            for gid, c in graded_cells(instructor).items()]
         grade.seconds = round(monotonic() - start, 2)
         return grade
@@ -165,14 +175,56 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
     except Exception as err:
         run = None
         grade.error = f"GraderError: {brief(str(err))}"
-    where = {gid: i for i, gid in prepared.graded.items()}
+    where, named = {gid: i for i, gid in prepared.graded.items()}, titles(instructor)
+    try:
+        attempts = attempts_of(prepared, instructor)
+    except (RecursionError, MemoryError, ValueError):   # an explanation, never a cost
+        attempts = {}
     for gid, cell in graded_cells(instructor).items():
-        grade.exercises.append(score(gid, float(nbgrader_meta(cell)["points"]),
-                                     evidence(gid, cell, where.get(gid), prepared, tampered,
-                                              static, run),
+        found = evidence(gid, cell, where.get(gid), prepared, tampered, static, run)
+        attempt = attempts.get(gid)      # a syntax error elsewhere explains a NameError only
+        if attempt and (attempt[2] or found.error == "NameError"):
+            found.attempt = attempt[:2]
+        grade.exercises.append(score(gid, float(nbgrader_meta(cell)["points"]), found,
                                      observed_of(cell)))
+        grade.exercises[-1].title = named.get(gid, gid)
     grade.seconds = round(monotonic() - start, 2)
     return grade
+
+
+def attempts_of(prepared, instructor) -> dict:
+    """``{graded grade_id: (error, message, in its own exercise cell)}`` where the
+    learner's cells say why its check fails: its exercise cell is the lab's stub
+    ("NotAttempted"), or it (else an earlier cell of the learner's) is not valid Python."""
+    from .notebooks import strip_solution
+    stubs = {nbgrader_meta(c).get("grade_id"): strip_solution(c.source)
+             for c in instructor.cells if nbgrader_meta(c).get("solution") and c.cell_type == "code"}
+    exercise, out, broken = exercise_of(instructor), {}, None
+    cells = {}                                   # exercise grade_id -> (cell, its index)
+    for i, cell in enumerate(prepared.nb.cells):
+        if cell.cell_type != "code" or prepared.origin[i] is None:
+            continue
+        gid = nbgrader_meta(cell).get("grade_id")
+        if i in prepared.graded:
+            ex = exercise.get(prepared.graded[i])
+            mine = cells.get(ex)
+            problem = syntax_error(mine[0].source) if mine is not None else None
+            if mine is not None and ex in stubs and untouched(mine[0].source, stubs[ex]):
+                out[prepared.graded[i]] = ("NotAttempted", f"your cell {mine[1]} is as the lab "
+                                           "gave it", True)
+            elif problem:
+                out[prepared.graded[i]] = ("SyntaxError", f"cell {mine[1]} (your code) is not "
+                                           f"valid Python: {problem[1]}, line {problem[0]}", True)
+            elif broken is not None:
+                out[prepared.graded[i]] = ("SyntaxError", broken, False)
+            continue
+        if gid:
+            cells[gid] = (cell, prepared.origin[i])
+        problem = syntax_error(cell.source) if broken is None else None
+        if problem:
+            broken = (f"cell {prepared.origin[i]} (your code) is not valid Python: "
+                      f"{problem[1]}, line {problem[0]}; what it defines is missing")
+    return out
 
 
 def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:

@@ -2,7 +2,7 @@
 
     mgpu-lab labs build [--check] [SOLUTION ...]   labs/ generated from solutions/
     mgpu-lab labs execute [NOTEBOOK ...]           run solutions in place, store outputs
-    mgpu-lab labs copy DIR                         the labs, to work in (no clone needed)
+    mgpu-lab labs copy DIR [--labs NN ...]         the labs, to work in (no clone needed)
     mgpu-lab labs check NN                         one lab, as CI checks it (the author's loop)
 
 They work on the checkout they are run in: ``labs/`` and ``solutions/`` are found by
@@ -25,7 +25,10 @@ def _cmd_build(args) -> int:
         args.solutions, args.labs = course_dir(args, "solutions"), course_dir(args, "labs")
         stale = build_labs(args.solutions, args.labs, check=args.check, only=args.notebooks)
     except (MarkerError, FileNotFoundError) as err:
-        print(f"mgpu-lab labs build: {err}", file=sys.stderr)
+        for item in getattr(err, "stale", []):
+            print(f"{'stale' if args.check else 'written'}: {item}")
+        print(f"mgpu-lab labs build: refused, the other labs are "
+              f"{'checked' if args.check else 'built'}:\n{err}", file=sys.stderr)
         return 2
     for item in stale:
         print(f"{'stale' if args.check else 'written'}: {item}")
@@ -62,11 +65,16 @@ def _cmd_execute(args) -> int:
 
 def _cmd_copy(args) -> int:
     try:
-        names = copy_labs(args.dest, Path(args.root) / "labs" if args.root else None)
-    except (FileNotFoundError, FileExistsError) as err:
+        copied, kept = copy_labs(args.dest, Path(args.root) / "labs" if args.root else None,
+                                 args.labs or ())
+    except (FileNotFoundError, NotADirectoryError) as err:
         print(f"mgpu-lab labs copy: {err}", file=sys.stderr)
         return 2
-    print(f"copied {len(names)} labs to {args.dest}: open them with `jupyter lab {args.dest}`")
+    for name in kept:
+        print(f"kept {args.dest / name}: already there (your work is never overwritten)")
+    print(f"copied {len(copied)} lab(s) to {args.dest}"
+          + (f": {', '.join(copied)}" if copied and len(copied) < 6 else "")
+          + f"; open them with `jupyter lab {args.dest}`")
     return 0
 
 
@@ -96,7 +104,11 @@ def _cmd_check(args) -> int:
               "(or no tests/test_mutants.py: run it in the course checkout)", file=sys.stderr)
         return 2
     lab, start = found[0].stem, monotonic()
-    stale = build_labs(root / "solutions", root / "labs", check=True, only=[found[0].name])
+    try:
+        stale = build_labs(root / "solutions", root / "labs", check=True, only=[found[0].name])
+    except MarkerError as err:
+        print(f"mgpu-lab labs check: labs build refuses it:\n{err}", file=sys.stderr)
+        return 2
     if stale:
         print(f"mgpu-lab labs check: labs/{lab}.ipynb is stale: run `mgpu-lab labs build` "
               f"({', '.join(stale)})", file=sys.stderr)
@@ -130,8 +142,11 @@ def add_parser(subparsers) -> None:
     execute.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
     execute.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
     execute.set_defaults(func=_cmd_execute)
-    copy_ = sub.add_parser("copy", help="copy the lab notebooks into a folder, to work in")
+    copy_ = sub.add_parser("copy", help="copy the lab notebooks into a folder, to work in "
+                           "(adds labs it lacks; never overwrites one)")
     copy_.add_argument("dest", type=Path, metavar="DIR")
+    copy_.add_argument("--labs", nargs="+", metavar="NN",
+                       help="only these labs (number, id or file name; default: all)")
     copy_.add_argument("--root", type=Path, help="take ROOT/labs (default: this checkout's, "
                        "else the labs installed with the package)")
     copy_.set_defaults(func=_cmd_copy)

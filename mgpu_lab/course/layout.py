@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import List
+from typing import Iterable, List, Tuple
 
 
 def find_root(start=None) -> Path:
@@ -49,8 +49,29 @@ def packaged_labs():
         return None
 
 
-def copy_labs(dest: Path, source=None) -> List[str]:
-    """Copy the lab notebooks into ``dest`` (never over an existing file); their names."""
+def select_labs(names: List[str], wanted: Iterable[str] = ()) -> List[str]:
+    """The notebook names of ``names`` that ``wanted`` asks for: a lab's number (``06``),
+    id (``06_gradient_accumulation``) or file name; all of them when ``wanted`` is empty.
+    FileNotFoundError names what matches nothing."""
+    wanted = list(wanted)
+    if not wanted:
+        return list(names)
+    picked, unknown = [], []
+    for want in wanted:
+        stem = want[:-6] if want.endswith(".ipynb") else want
+        found = [n for n in names if n[:-6] == stem or n.split("_")[0] == stem]
+        unknown += [] if found else [want]
+        picked += [n for n in found if n not in picked]
+    if unknown:
+        raise FileNotFoundError(f"no lab {', '.join(unknown)} (there are: "
+                                f"{', '.join(n[:-6] for n in names)})")
+    return sorted(picked)
+
+
+def copy_labs(dest: Path, source=None, only: Iterable[str] = ()) -> Tuple[List[str], List[str]]:
+    """Copy the lab notebooks (``only`` those asked for: :func:`select_labs`) into ``dest``;
+    ``(names copied, names kept)``: a notebook already in ``dest`` is the learner's work,
+    never overwritten, so a folder that has some labs gets the others."""
     if source is None:
         try:
             source = find_root() / "labs"
@@ -60,13 +81,11 @@ def copy_labs(dest: Path, source=None) -> List[str]:
             raise FileNotFoundError("no labs here: run inside the course checkout or "
                                     "pip install \"mgpu-lab[course]\"")
     dest = Path(dest)
-    notebooks = sorted((p for p in source.iterdir() if p.name.endswith(".ipynb")),
-                       key=lambda p: p.name)
-    clash = [p.name for p in notebooks if (dest / p.name).exists()]
-    if clash:
-        raise FileExistsError(f"{dest} already has {', '.join(clash)}: "
-                              "choose an empty folder (your work is never overwritten)")
+    names = sorted(p.name for p in source.iterdir() if p.name.endswith(".ipynb"))
+    chosen = select_labs(names, only)
+    kept = [n for n in chosen if (dest / n).exists()]
     dest.mkdir(parents=True, exist_ok=True)
-    for p in notebooks:
-        (dest / p.name).write_bytes(p.read_bytes())
-    return [p.name for p in notebooks]
+    for name in chosen:
+        if name not in kept:
+            (dest / name).write_bytes((source / name).read_bytes())
+    return [n for n in chosen if n not in kept], kept

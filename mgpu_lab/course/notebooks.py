@@ -15,7 +15,10 @@ course directory layout with it; we only need its cell conventions):
 Cells carry nbgrader-style metadata ``nbgrader: {grade_id, points, solution,
 grade, locked}``; :func:`check_notebook` says what is wrong with a solution.
 Every lab (and its solution) carries its lab id, the solution's file stem, in
-``metadata.mgpu_lab.lab``: the grader knows a submission whatever its name.
+``metadata.mgpu_lab.lab``: the grader knows a submission whatever its name. Every lab
+also carries its version (``metadata.mgpu_lab.version``, :func:`.exercises.lab_version`):
+it changes when a graded cell changes, and a submission made from another version is
+graded with a note saying so.
 
 The commands that use it (``mgpu-lab labs build/execute/copy/check``) are in
 :mod:`.labs_command`.
@@ -31,8 +34,10 @@ import nbformat
 
 from . import graded_cell
 from .cells import ANSWER_KEY_TAG, graded_cells, lab_id, nbgrader_meta, tags
+from .exercises import asserts_without_message, lab_version, points_mismatches
 
-__all__ = ["MarkerError", "strip_solution", "check_notebook", "make_lab", "build_labs",
+__all__ = ["MarkerError", "strip_solution", "check_notebook", "lint_notebook", "make_lab",
+           "build_labs",
            "clean_outputs", "execute_notebook", "graded_cells", "lab_id", "nbgrader_meta"]
 
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -117,6 +122,15 @@ def check_notebook(nb) -> None:
                               "(nbgrader metadata {'grade': true, 'points': N})")
 
 
+def lint_notebook(nb) -> None:
+    """What ``labs build`` refuses beyond :func:`check_notebook`: an ``assert`` of a graded
+    cell without a message, a heading that states other points than the metadata. (Not
+    checked by :func:`make_lab`: a notebook that fails it still grades.)"""
+    problems = asserts_without_message(nb) + points_mismatches(nb)
+    if problems:
+        raise MarkerError("\n  " + "\n  ".join(problems))
+
+
 def make_lab(solution, lab: str = None) -> nbformat.NotebookNode:
     """The lab notebook generated from a solution notebook (a new object).
 
@@ -128,6 +142,7 @@ def make_lab(solution, lab: str = None) -> nbformat.NotebookNode:
     lab = copy.deepcopy(solution)
     if lab_name:
         lab.metadata.setdefault("mgpu_lab", {})["lab"] = lab_name
+    lab.metadata.setdefault("mgpu_lab", {})["version"] = lab_version(solution)
     lab.metadata.pop("widgets", None)  # saved widget state belongs to outputs
     lab.cells = [c for c in lab.cells if ANSWER_KEY_TAG not in tags(c)]
     for cell in lab.cells:
@@ -155,11 +170,13 @@ def build_labs(solutions: Path, labs: Path, check: bool = False,
     With ``check=True`` nothing is written: the returned list names each lab
     that is missing, differs from its solution, has no solution, or a solution
     without its lab id (``metadata.mgpu_lab.lab``, which a build writes).
+    A solution that :func:`check_notebook` refuses is skipped and the others are built;
+    then one :class:`MarkerError` names every refused notebook and why.
     """
     solutions, labs = Path(solutions), Path(labs)
     if not solutions.is_dir():
         raise FileNotFoundError(f"no solutions folder at {solutions}")
-    stale = []
+    stale, refused = [], []
     wanted = set()
     only = {Path(o).name for o in only}
     for src in sorted(solutions.glob("*.ipynb")):
@@ -173,9 +190,11 @@ def build_labs(solutions: Path, labs: Path, check: bool = False,
                 solution.metadata.setdefault("mgpu_lab", {})["lab"] = src.stem
                 src.write_text(_text(solution), encoding="utf-8")
         try:
+            lint_notebook(solution)
             text = _text(make_lab(solution, src.stem))
         except MarkerError as err:
-            raise MarkerError(f"{src}: {err}") from None
+            refused.append(f"{src}: {err}")
+            continue
         dest = labs / src.name
         if not dest.exists() or dest.read_text(encoding="utf-8") != text:
             stale.append(f"{dest} ({'missing' if not dest.exists() else 'stale'})")
@@ -187,6 +206,10 @@ def build_labs(solutions: Path, labs: Path, check: bool = False,
             stale.append(f"{orphan} (no solution {solutions / orphan.name})")
             if not check:
                 orphan.unlink()
+    if refused:
+        error = MarkerError("\n".join(refused))
+        error.stale = stale                  # what was written (or is stale) all the same
+        raise error
     return stale
 
 

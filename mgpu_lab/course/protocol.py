@@ -54,6 +54,7 @@ class Header:
     cgroup: bool
     trusted: List[str]             # the instructor's given cells (may call references)
     graded: Dict[int, List[str]]   # graded cell index -> what it must not call
+    limited: bool = False          # no sandbox, another user: still set the rlimits
 
 
 @dataclass

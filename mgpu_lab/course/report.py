@@ -1,4 +1,10 @@
-"""What the grader writes: a table on screen, JSON, CSV, a feedback file per student.
+"""What the grader writes: a summary on screen, the instructor's report, JSON, CSV, and
+a feedback file per student and lab (all from one :class:`~.gradebook.Gradebook`).
+
+The summary is one line per student with a column per lab; per-notebook details (each
+exercise's outcome, tampering findings, notes, what a check observes in the kernel) go
+to the instructor's report (``--report``, ``--details``) and the JSON, never to a
+student's feedback.
 
 Messages are bounded (:func:`mgpu_lab.course.scoring.brief`: a few hundred
 characters) and never carry text the learner's code chose (:mod:`.scoring`). What the
@@ -15,7 +21,9 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import List
+
+from .gradebook import as_gradebook
 
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 _MARKDOWN = re.compile(r"([\\`*_\[\]()#+\-!|~:{}])")
@@ -38,89 +46,121 @@ def markdown_safe(text) -> str:
 FEEDBACK_LIMIT = 300
 
 
-def by_student(grades) -> Dict[str, Dict[str, object]]:
-    """``{student: {lab: grade}}``; of two notebooks for one lab, the better one counts."""
-    table: Dict[str, Dict[str, object]] = {}
-    for g in grades:
-        labs = table.setdefault(g.student, {})
-        key = g.lab or f"?{Path(g.path).name}"
-        if key in labs and g.lab:
-            other = labs[key]
-            best, worse = (g, other) if g.score > other.score else (other, g)
-            note = f"also submitted {worse.path} ({worse.score:g}): the better counts"
-            if note not in best.notes:
-                best.notes.append(note)
-            labs[key] = best
-        else:
-            labs[key] = g
-    return table
-
-
 def printable(text) -> str:
     """``text`` without control characters (a terminal's escape sequences)."""
     return "".join(c if c.isprintable() else "?" for c in str(text))
 
 
-def print_table(grades, sandbox_line: str, file=None) -> None:
-    file = file or sys.stdout
-    table = by_student(grades)
-    for student in sorted(table):
-        for lab, g in sorted(table[student].items()):
-            head = printable(f"{student}  {lab}  {g.score:g}/{g.max_score:g}  ({g.seconds:.1f} s)")
-            head += f"  [{g.error}]" if g.error else ""
-            head += f"  [TAMPERING: {len(g.tampering)} finding(s)]" if g.tampering else ""
-            print(head, file=file)
-            width = max([len("grade_id")] + [len(e.grade_id) for e in g.exercises])
-            for e in g.exercises:
-                why = f"{e.error}: {e.message}" if e.error and e.message else e.error or ""
-                why = printable(why)
-                print(f"    {e.grade_id:<{width}}  {e.score:4g}/{e.max_score:<4g}  "
-                      f"{why if len(why) <= 100 else why[:97] + '...'}", file=file)
-            for e in g.exercises:
-                if e.observed:
-                    print(f"    note: {e.grade_id} observes your kernel, not tamper-proof: "
-                          f"{e.observed}", file=file)
-            for what in g.tampering:
-                print(f"    tampering: {printable(what)}", file=file)
-            for note in g.notes:
-                print(f"    note: {printable(note)}", file=file)
-    if len(grades) > 1:
-        print(f"total: {sum(g.score for g in grades):g}/{sum(g.max_score for g in grades):g} "
-              f"over {len(grades)} notebooks, {len(table)} students", file=file)
+def lab_label(lab: str, labs: List[str]) -> str:
+    """A lab's column on screen: its number (``06``) when no other lab of the run has it."""
+    number = lab.split("_")[0]
+    return number if sum(1 for x in labs if x.split("_")[0] == number) == 1 else lab
+
+
+def print_summary(grades, sandbox_line: str, file=None) -> None:
+    """One line per student, a column per lab (the notebook that counts), the total; the
+    notebooks of no lab after it. Per-notebook details: :func:`print_details`."""
+    file, book = file or sys.stdout, as_gradebook(grades)
+    labels = [lab_label(lab, book.labs) for lab in book.labs]
+    cells = {s: [_cell(book.counted(s, lab), book.maxima[lab]) for lab in book.labs]
+             for s in book.students}
+    names = {s: printable(s) for s in book.students}
+    width = max([len("student")] + [len(n) for n in names.values()])
+    widths = [max([len(label)] + [len(cells[s][i]) for s in book.students])
+              for i, label in enumerate(labels)]
+    print("  ".join([f"{'student':<{width}}"] + [f"{lab:>{w}}" for lab, w in zip(labels, widths)]
+                    + ["total"]), file=file)
+    for s in book.students:
+        print("  ".join([f"{names[s]:<{width}}"] + [f"{c:>{w}}" for c, w in zip(cells[s], widths)]
+                        + [f"{book.total(s):g}/{book.max_total:g}"]), file=file)
+    for s, notebooks in sorted(book.unmatched.items()):
+        for g in notebooks:
+            print(printable(f"not graded: {g.path}: {g.error or 'no lab'}"), file=file)
+    if book.students:
+        counted = sum(len(book.entries[s]) for s in book.students)
+        flags = "; ".join(f for f, seen in (
+            ("T: tampering found", any(g.tampering for g in book.counted_grades())),
+            ("!: not graded (see the report)", any(g.error for g in book.counted_grades())))
+            if seen)
+        print(f"class: {sum(book.total(s) for s in book.students):g}/"
+              f"{book.max_total * len(book.students):g} over {len(book.students)} students, "
+              f"{counted} notebook(s) counted of {len(book.grades)} (policy {book.policy})"
+              + (f"; {flags}" if flags else ""), file=file)
     print(sandbox_line, file=file)
 
 
+def _cell(g, maximum: float) -> str:
+    if g is None:
+        return "-"
+    return f"{g.score:g}/{maximum:g}" + ("!" if g.error else "") + ("T" if g.tampering else "")
+
+
+def print_details(grades, file=None) -> None:
+    """Every notebook (counted or not) with each exercise, its tampering findings and
+    notes, and what its checks observe in the kernel: the instructor's report."""
+    file, book = file or sys.stdout, as_gradebook(grades)
+    for g in sorted(book.grades, key=lambda g: (g.student, g.lab or "", g.path)):
+        head = printable(f"{g.student}  {g.lab or '?'}  {g.score:g}/{g.max_score:g}  "
+                         f"{g.path}  ({g.seconds:.1f} s)")
+        head += f"  [{g.error}]" if g.error else ""
+        head += f"  [TAMPERING: {len(g.tampering)} finding(s)]" if g.tampering else ""
+        print(head, file=file)
+        width = max([len("grade_id")] + [len(e.grade_id) for e in g.exercises])
+        for e in g.exercises:
+            why = printable("" if not e.error else e.outcome())
+            print(f"    {e.grade_id:<{width}}  {e.score:4g}/{e.max_score:<4g}  "
+                  f"{why if len(why) <= 100 else why[:97] + '...'}", file=file)
+        for e in g.exercises:
+            if e.observed:
+                print(f"    note: {e.grade_id} observes the kernel, not tamper-proof: "
+                      f"{e.observed}", file=file)
+        for what in g.tampering:
+            print(f"    tampering: {printable(what)}", file=file)
+        for note in g.notes:
+            print(f"    note: {printable(note)}", file=file)
+
+
+def write_report(grades, path, sandbox_line: str) -> None:
+    """The instructor's report: the summary, then every notebook's details."""
+    import io
+    out = io.StringIO()
+    print_summary(grades, sandbox_line, file=out)
+    print("", file=out)
+    print_details(grades, file=out)
+    Path(path).write_text(out.getvalue(), encoding="utf-8")
+
+
 def write_json(grades, path, sandbox_line: str) -> None:
-    students = {s: {lab: g.to_dict() for lab, g in labs.items()}
-                for s, labs in by_student(grades).items()}
-    data = {"sandbox": sandbox_line, "notebooks": [g.to_dict() for g in grades],
-            "students": students}
+    """Everything: every notebook, and per student the notebook that counts for each lab."""
+    book = as_gradebook(grades)
+    students = {s: {"total": book.total(s), "max_total": book.max_total,
+                    "labs": {lab: e.counted.to_dict() for lab, e in book.entries[s].items()},
+                    "not_counted": [o.path for e in book.entries[s].values() for o in e.others]}
+                for s in book.students}
+    data = {"sandbox": sandbox_line, "policy": book.policy, "labs": book.maxima,
+            "notebooks": [g.to_dict() for g in book.grades], "students": students}
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 def write_csv(grades, path) -> None:
-    """One row per student; per lab a total column, then one column per exercise."""
-    table = by_student(grades)
+    """One row per student: total and maximum (every lab of the run), then per lab its
+    total, one column per exercise and its tampering findings (blank: not handed in)."""
+    book = as_gradebook(grades)
     columns: List[str] = []
-    for g in grades:
-        if not g.lab:
-            continue
-        for key in ([g.lab] + [f"{g.lab}:{e.grade_id}" for e in g.exercises]
-                    + [f"{g.lab}:tampering"]):
-            if key not in columns:
-                columns.append(key)
-    columns.sort(key=lambda c: (c.split(":")[0], ":" in c))
+    for lab in book.labs:
+        exercises = next((g.exercises for g in book.grades if g.lab == lab and g.exercises), [])
+        columns += [lab] + [f"{lab}:{e.grade_id}" for e in exercises] + [f"{lab}:tampering"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow([spreadsheet_safe(c) for c in ["student", "total", "max_total"] + columns])
-        for student in sorted(table):
+        for student in book.students:
             cells = {}
-            labs = [g for lab, g in table[student].items() if g.lab]
-            for g in labs:
-                cells[g.lab] = g.score
-                cells.update({f"{g.lab}:{e.grade_id}": e.score for e in g.exercises})
-                cells[f"{g.lab}:tampering"] = len(g.tampering) or ""
-            row = [student, sum(g.score for g in labs), sum(g.max_score for g in labs)]
+            for lab, entry in book.entries[student].items():
+                g = entry.counted
+                cells[lab] = g.score
+                cells.update({f"{lab}:{e.grade_id}": e.score for e in g.exercises})
+                cells[f"{lab}:tampering"] = len(g.tampering) or ""
+            row = [student, book.total(student), book.max_total]
             writer.writerow([spreadsheet_safe(v) for v in row + [cells.get(c, "") for c in columns]])
 
 
@@ -129,16 +169,20 @@ def _safe(name: str) -> str:
 
 
 def write_feedback(grades, folder) -> List[Path]:
-    """``folder/<student>/<lab>.md``: each exercise, its points, the failure's message
-    (every text a learner could have chosen escaped: :func:`markdown_safe`)."""
-    written = []
-    for student, labs in by_student(grades).items():
-        for lab, g in labs.items():
-            try:
-                written.append(_feedback(folder, student, lab, g))
-            except Exception as err:   # this file only: the others are still written
-                print(f"mgpu-lab grade: no feedback for {student!r} {lab!r}: {err}",
-                      file=sys.stderr)
+    """``folder/<student>/<lab>.md`` for the notebook that counts (and one per notebook
+    that could not be matched to a lab): each exercise by its title, its points and
+    :meth:`~.scoring.ExerciseScore.outcome` (every text a learner could have chosen
+    escaped: :func:`markdown_safe`), and the notes a student needs (which notebook
+    counted, the lab version). What checks observe in the kernel is the instructor's."""
+    book, written = as_gradebook(grades), []
+    todo = [(s, lab, e.counted) for s in book.students for lab, e in book.entries[s].items()]
+    todo += [(s, f"?{Path(g.path).name}", g) for s, gs in book.unmatched.items() for g in gs]
+    for student, lab, g in todo:
+        try:
+            written.append(_feedback(folder, student, lab, g))
+        except Exception as err:   # this file only: the others are still written
+            print(f"mgpu-lab grade: no feedback for {student!r} {lab!r}: {err}",
+                  file=sys.stderr)
     return written
 
 
@@ -152,13 +196,9 @@ def _feedback(folder, student: str, lab: str, g) -> Path:
     if g.exercises:
         lines += ["| exercise | points | result |", "|---|---|---|"]
         for e in g.exercises:
-            result = "passed" if not e.error else md(f"{e.error}: {e.message}" if e.message
-                                                      else e.error)
-            lines.append(f"| {md(e.grade_id)} | {e.score:g} / {e.max_score:g} | {result} |")
+            lines.append(f"| {md(e.title or e.grade_id)} | {e.score:g} / {e.max_score:g} | "
+                         f"{md(e.outcome())} |")
         lines.append("")
-    lines += [f"- tampering: {md(t)}" for t in g.tampering]
-    lines += [f"- {md(e.grade_id)} observes your kernel (not tamper-proof): {md(e.observed)}"
-              for e in g.exercises if e.observed]
     lines += [f"- {md(n)}" for n in g.notes]
     path = Path(folder) / _safe(student) / f"{_safe(lab)}.md"
     path.parent.mkdir(parents=True, exist_ok=True)

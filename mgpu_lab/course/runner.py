@@ -110,8 +110,8 @@ def main() -> int:
     from .kernel import run_notebook, silent
     from .sandbox import Limits, apply_rlimits
 
-    if header.sandboxed:
-        apply_rlimits(Limits(**header.limits), header.cgroup)
+    if header.sandboxed or header.limited:
+        apply_rlimits(Limits(**header.limits), header.cgroup and header.sandboxed)
     nb = nbformat.reads(header.notebook, as_version=4)
     graded, trusted = header.graded, header.trusted
     violations = {}

@@ -32,7 +32,7 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 WORK = "/sandbox/work"           # the submission's scratch folder, cwd and $HOME
 CGROUP_V1, CGROUP_V2 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup")
@@ -58,13 +58,35 @@ class Sandbox:
     cgroup: Optional[str] = None   # "v1" / "v2" when the grader can make cgroups
     hidden: List[str] = field(default_factory=list)
     options: List[str] = field(default_factory=list)  # of the newer ones, those bwrap knows
+    run_as: Optional[Tuple[int, int, str]] = None      # no sandbox: the kernel's (uid, gid, name)
 
     def describe(self) -> str:
+        if not self.available and self.run_as:
+            return (f"sandbox: OFF ({self.reason}); submissions run as user {self.run_as[2]} "
+                    f"(uid {self.run_as[0]}): they read and write what it may, and its "
+                    "processes are limited (memory, count)")
         if not self.available:
             return f"sandbox: OFF ({self.reason}); submissions run with your permissions"
         limits = "cgroup" if self.cgroup else "rlimits"
         return (f"sandbox: bubblewrap ({self.bwrap}); read-only root, scratch folder, "
                 f"loopback-only network, memory/process limits by {limits}")
+
+
+def run_as_user(user: str) -> Tuple[int, int, str]:
+    """``(uid, gid, name)`` of ``user`` (a name or a number), for a grader running as root
+    without a sandbox (Gradescope's and PrairieLearn's containers): the learner's kernel then
+    runs as that user, who cannot read what it may not (the solutions, kept ``0700``).
+    ValueError when it cannot be done here."""
+    import pwd
+    if os.geteuid() != 0:
+        raise ValueError("--run-as needs the grader to run as root (it switches user)")
+    try:
+        entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    except (KeyError, ValueError):
+        raise ValueError(f"--run-as: no user {user!r} here") from None
+    if entry.pw_uid == 0:
+        raise ValueError("--run-as: not root (the kernel must not be the grader's user)")
+    return entry.pw_uid, entry.pw_gid, entry.pw_name
 
 
 def _cgroup_kind() -> Optional[str]:

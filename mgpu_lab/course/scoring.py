@@ -12,6 +12,10 @@ decides (:data:`PRECEDENCE`):
 4. **the judge's verdict** on the probe's data (:mod:`mgpu_lab.course.judge`): an
    exception, or none, which scores the points.
 
+A failure of 3. or 4. is explained by the exercise's own cell when it says why
+(:attr:`Evidence.attempt`): an exercise left as the lab gave it is "NotAttempted", one
+that is not valid Python a "SyntaxError" at its line (not the ``NameError`` it causes).
+
 A graded cell whose exercise was deleted with it scores 0, ``Missing``. Nothing here
 runs a kernel: ``tests/test_grader.py`` checks the table with made-up evidence.
 
@@ -41,6 +45,14 @@ class ExerciseScore:
     error: Optional[str] = None
     message: str = ""
     observed: str = ""        # what the check observes inside the kernel (not tamper-proof)
+    title: str = ""           # the exercise's title, from the notebook's heading
+
+    def outcome(self) -> str:
+        """What every report says of it (feedback, Gradescope, PrairieLearn): "passed",
+        or the failure and its message."""
+        if not self.error:
+            return "passed"
+        return f"{self.error}: {self.message}" if self.message else self.error
 
 
 @dataclass
@@ -55,6 +67,8 @@ class NotebookGrade:
     notes: List[str] = field(default_factory=list)
     sandboxed: bool = False
     tampering: List[str] = field(default_factory=list)   # what the static pass flagged
+    version: str = ""                      # the lab version it was graded against
+    submitted_at: float = 0.0              # the file's modification time (policy "latest")
 
     @property
     def score(self) -> float:
@@ -79,6 +93,8 @@ class Evidence:
     judged: bool = False                   # the judge gave a verdict
     verdict: Optional[str] = None          # the judge's exception name (None: passed)
     verdict_message: str = ""
+    attempt: Optional[Tuple[str, str]] = None   # why the exercise failed, read from its cell:
+                                           # ("NotAttempted" | "SyntaxError", message)
 
 
 def brief(message: str, limit: int = 200) -> str:
@@ -101,6 +117,8 @@ def score(grade_id: str, points: float, evidence: Evidence, observed: str = "") 
         error, message = "Tampering", "; ".join(evidence.tampering)
     elif evidence.calls:
         error, message = "ForbiddenCall", forbidden_message(evidence.calls)
+    elif evidence.attempt and (evidence.error or evidence.verdict or not evidence.judged):
+        error, message = evidence.attempt
     elif evidence.error:
         error, message = evidence.error, evidence.message
     elif evidence.judged:
@@ -188,7 +206,10 @@ def verdict_text(error: Optional[str], message: str, line: Optional[int]) -> Tup
     answer) keeps the judge's message; any other exception is named with its line."""
     if error is None:
         return None, ""
-    if error in ("AssertionError", "JudgeError", "Settled") or (
+    if error == "AssertionError":
+        where = f"check line {line}" if line else "the check"
+        return error, f"{message} ({where})" if message else f"{where} failed"
+    if error in ("JudgeError", "Settled") or (
             error == "NameError" and (message or "").startswith("`")):
         return error, message or ""
     return exception_name(error), (f"raised by the check, line {line}" if line else "")

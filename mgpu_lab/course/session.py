@@ -60,7 +60,8 @@ def package_dir() -> Path:
 
 def runner_command(box: Sandbox, limits: Limits, scratch: str):
     """``(argv, cwd, env, cleanup)`` of the runner: in bubblewrap when the box is
-    available (its scratch folder is the sandbox's), else in ``scratch/kernel``."""
+    available (its scratch folder is the sandbox's), else in ``scratch/kernel`` (made
+    the property of ``box.run_as``'s user, when the runner is to run as it)."""
     package = package_dir()
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
            "PYTHONPATH": str(package.parent), "HOME": WORK if box.available else os.getcwd(),
@@ -82,6 +83,10 @@ def runner_command(box: Sandbox, limits: Limits, scratch: str):
         env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
     for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
         env[k] = os.path.join(cwd, "." + k.lower())
+    if box.run_as:                 # its own folder; the judge's stays the grader's
+        os.chmod(scratch, 0o711)
+        os.chown(cwd, box.run_as[0], box.run_as[1])
+        env.update(TMPDIR=cwd, USER=box.run_as[2], LOGNAME=box.run_as[2])
     return argv, cwd, env, []
 
 
@@ -184,13 +189,17 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
     parts = {i: graded_cell.split(tests[gid].source) for i, gid in prepared.graded.items()}
     header = Header(nbformat.writes(prepared.nb), timeout, total_timeout, box.available,
                     asdict(limits), bool(box.cgroup), given_sources(instructor),
-                    {i: forbidden_of(tests[gid]) for i, gid in prepared.graded.items()})
+                    {i: forbidden_of(tests[gid]) for i, gid in prepared.graded.items()},
+                    limited=bool(box.run_as) and not box.available)
     with tempfile.TemporaryDirectory(prefix="mgpu-lab-grade-") as scratch:
         argv, cwd, env, cleanup = runner_command(box, limits, scratch)
         home = os.path.join(scratch, "judge")
-        os.makedirs(home)
+        os.makedirs(home, mode=0o700)
+        user = {} if box.available or not box.run_as else dict(
+            user=box.run_as[0], group=box.run_as[1], extra_groups=[])
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
+                                stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
+                                **user)
         tail: list = []
         threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
         judges = None
