@@ -300,11 +300,32 @@ def test_labs_build_refuses_a_heading_that_states_other_points(tmp_path, capsys)
         nb.cells.insert(4, nbformat.v4.new_markdown_cell("### Exercise 2 (2 points): `mul`"))
     root = course(tmp_path, heading)
     assert cli(["labs", "build", "--root", str(root)]) == 2
-    assert "its heading says 2 points, its metadata 3" in capsys.readouterr().err
+    assert "its heading says 2 points, its exercise's graded cells 3" in capsys.readouterr().err
 
     def right(nb):
         nb.cells.insert(4, nbformat.v4.new_markdown_cell("### Exercise 2 (3 points): `mul`"))
     assert cli(["labs", "build", "--root", str(course(tmp_path, right))]) == 0
+
+
+def test_an_exercise_with_two_graded_cells_states_their_sum():
+    from mgpu_lab.course.exercises import points_mismatches, titles
+
+    def cell(kind, gid, points=0):
+        c = nbformat.v4.new_code_cell("x = 1" if kind == "solution" else "### PROBE\n### JUDGE\n")
+        c.metadata["nbgrader"] = {"grade_id": gid, "points": points, "solution": kind == "solution",
+                                  "grade": kind == "grade", "locked": kind == "grade"}
+        return c
+
+    def notebook(heading):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_markdown_cell(f"### Exercise 1 {heading}: a folder"),
+                    cell("solution", "ex"), cell("grade", "ex_test", 2), cell("grade", "ex_fsync_test", 1)]
+        return nb
+    assert points_mismatches(notebook("(2 + 1 points)")) == []
+    assert points_mismatches(notebook("(3 points)")) == []
+    assert "its heading says 2 points, its exercise's graded cells 3" in points_mismatches(notebook("(2 points)"))[0]
+    assert titles(notebook("(2 + 1 points)")) == {"ex_test": "Exercise 1: a folder",
+                                                  "ex_fsync_test": "Exercise 1: a folder"}
 
 
 def test_a_lab_version_changes_with_its_graded_cells_only(tmp_path):

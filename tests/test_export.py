@@ -247,7 +247,8 @@ def test_gradescope_results_follow_its_schema_one_test_per_exercise(runs):
         jsonschema.validate(data, GRADESCOPE_SCHEMA)
         assert [t["number"] for t in data["tests"]] == ["1.1", "1.2"]
         assert [t["name"] for t in data["tests"]] == [
-            "Exercise 1: rank_slice", "Exercise 2: a correct global mean — design it yourself"]
+            "Exercise 1: rank_slice, balanced with the larger slices last",
+            "Exercise 2: a correct global mean — design it yourself"]
         assert data["output_format"] == data["test_output_format"] == "text"
     solved = runs["results"][("gradescope", "solved")]
     assert [(t["score"], t["max_score"], t["output"]) for t in solved["tests"]] == [

@@ -27,7 +27,7 @@ from .cells import (IPYTHON_LINES, course_meta, exercise_of, graded_cells, nbgra
                     parse, setup_sources)
 
 HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$")
-POINTS = re.compile(r"(\d+(?:\.\d+)?)\s+points?\b", re.I)
+POINTS = re.compile(r"(\d+(?:\.\d+)?(?:\s*\+\s*\d+(?:\.\d+)?)*)\s+points?\b", re.I)  # "3 points", "2 + 1 points"
 PARENTHESES = re.compile(r"\s*\(([^()]*)\)")
 
 
@@ -41,15 +41,18 @@ def _headings(cell) -> List[str]:
 def exercise_headings(nb) -> Dict[str, str]:
     """``{graded grade_id: the heading that announces its exercise}``: the last heading
     naming an exercise between the previous graded cell and this one (else the last
-    heading there, else "")."""
-    out, seen = {}, []
+    heading there; else, for a second graded cell of the same exercise, its first's)."""
+    out, seen, previous = {}, [], (None, "")
+    exercise = exercise_of(nb)
     for cell in nb.cells:
         seen += _headings(cell)
         meta = nbgrader_meta(cell)
         if meta.get("grade") and cell.get("cell_type") == "code" and "grade_id" in meta:
+            gid = meta["grade_id"]
             named = [h for h in seen if "exercise" in h.lower()]
-            out[meta["grade_id"]] = (named or seen or [""])[-1]
-            seen = []
+            same = exercise.get(gid) is not None and exercise.get(gid) == previous[0]
+            out[gid] = (named or seen or [previous[1] if same else ""])[-1]
+            previous, seen = (exercise.get(gid), out[gid]), []
     return out
 
 
@@ -58,7 +61,7 @@ def stated_points(heading: str) -> Optional[float]:
     for group in PARENTHESES.finditer(heading):
         found = POINTS.search(group.group(1))
         if found:
-            return float(found.group(1))
+            return sum(float(n) for n in found.group(1).split("+"))
     return None
 
 
@@ -83,18 +86,25 @@ def titles(nb) -> Dict[str, str]:
 
 
 def points_mismatches(nb) -> List[str]:
-    """Where an exercise's heading states other points than its graded cell's metadata."""
-    out = []
-    headings = exercise_headings(nb)
+    """Where an exercise's heading states other points than its graded cells' metadata
+    (summed over the exercise's graded cells: "(2 + 1 points)" for two)."""
+    out, done = [], set()
+    headings, exercise = exercise_headings(nb), exercise_of(nb)
+    total: Dict[str, float] = {}
+    for gid, cell in graded_cells(nb).items():
+        key = exercise.get(gid) or gid
+        total[key] = total.get(key, 0.0) + float(nbgrader_meta(cell).get("points", 0))
     for index, cell in enumerate(nb.cells):
         meta = nbgrader_meta(cell)
         gid = meta.get("grade_id")
-        if not (meta.get("grade") and gid in headings):
+        key = exercise.get(gid) or gid
+        if not (meta.get("grade") and gid in headings) or key in done:
             continue
+        done.add(key)
         said = stated_points(headings[gid])
-        if said is not None and said != float(meta.get("points", 0)):
-            out.append(f"cell {index} ({gid}): its heading says {said:g} points, its metadata "
-                       f"{meta.get('points')} ({headings[gid]!r})")
+        if said is not None and said != total[key]:
+            out.append(f"cell {index} ({gid}): its heading says {said:g} points, its exercise's graded "
+                       f"cells {total[key]:g} ({headings[gid]!r})")
     return out
 
 
