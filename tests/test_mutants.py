@@ -5,10 +5,17 @@ mutant in place of its solution, except one exercise per round that keeps its
 solution (so a round also shows that the others keep their full marks). All rounds
 of all labs, and each untouched lab, are graded in one ``mgpu-lab grade --jobs 2``
 run, sandboxed where bubblewrap works. A mutant is *killed* when its exercise scores
-0 for a reason of its kind: a tampering attempt is reported as tampering, a
-reference call as a forbidden call (or tampering, for ``getattr`` of a built name),
-a wrong answer or a copy by a failed check, never by a crash of the check itself.
-The kill rate must be 100 %; the test prints it per lab.
+0 for a reason of its kind: a tampering attempt is reported as tampering; a wrong
+answer, a copy or a call of the reference by a failed check (a reference reached
+through ``getattr`` of a built name may be reported as tampering), never by a crash of
+the check itself. The kill rate must be 100 %; the test prints it per lab.
+
+**No kill rests on the "must not call X" guard.** The run grades against a copy of the
+solutions without their ``reimplements`` metadata, so neither the static pass nor the
+run-time guard calls anything forbidden: a mutant that calls the reference (directly,
+from a thread, an ``exec`` of a literal, a module copy, a child Python...) must score 0
+because what the reference computes is not what the exercise asks for. The guard stays,
+for learners, as a courtesy message (tests/test_grader.py checks it).
 
 The run is a child process, started as soon as the session's tests are collected
 (tests/conftest.py calls :func:`start_beside`): it grades beside the other tests, which
@@ -124,6 +131,18 @@ def _selected_labs(items):
     return sorted(labs)
 
 
+def without_guard(folder: Path) -> Path:
+    """The solutions, copied into ``folder`` without the graded cells' ``reimplements``
+    lists: graded against them, nothing is a forbidden call (the guard is off)."""
+    folder.mkdir()
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            cell.metadata.get("mgpu_lab", {}).pop("reimplements", None)
+        nbformat.write(nb, folder / path.name)
+    return folder
+
+
 class MutationRun:
     """``mgpu-lab grade --jobs 2`` over every round of the labs, each untouched lab (and
     each solution, :data:`WITH_SOLUTION`), in a child process."""
@@ -153,7 +172,8 @@ class MutationRun:
                 self.plan[f"{lab}--solution"] = (lab, {ex: None for ex in exercises(lab)})
         self.out = self.folder / "grades.json"
         args = [sys.executable, "-m", "mgpu_lab", "grade", str(klass), "--solutions",
-                str(ROOT / "solutions"), "--json", str(self.out), "--jobs", "2", "--quiet"]
+                str(without_guard(self.folder / "solutions")), "--json", str(self.out),
+                "--jobs", "2", "--quiet"]
         if not probe().available:
             args.append("--no-sandbox")
         self.start = monotonic()
@@ -248,8 +268,9 @@ def _verdicts(plan, graded, lab):
                 if bad:
                     problems.append(f"{name} {ex}: the solution lost points: {bad}")
             else:
-                ok = {"tamper": {"Tampering"}, "reference": {"ForbiddenCall", "Tampering"}}
+                ok = {"tamper": {"Tampering"}}
                 killed = all(e["score"] == 0 and e["error"] and e["error"] not in NOT_A_KILL
+                             and e["error"] != "ForbiddenCall"
                              and e["error"] in ok.get(m.kind, {e["error"]}) for e in got)
                 why = "; ".join(f"{e['grade_id']} {e['score']}/{e['max_score']} {e['error']}: "
                                 f"{(e['message'] or '')[:120]}" for e in got)

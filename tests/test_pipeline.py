@@ -364,7 +364,9 @@ def _orders_that_differ():
     out = []
     for order in (reverse, deadlock):
         module = _stage_module(_model(), rank, 2)
-        stage = PipelineStage(module, rank, 2, timeout=2.0)
+        # In the deadlock, stage 1 gives up first (2 s); stage 0 waits longer, so that stage 1
+        # reports its own timeout and not stage 0's exit.
+        stage = PipelineStage(module, rank, 2, timeout=2.0 if rank == 1 or order is reverse else 8.0)
         mine = order if rank == 1 or order is deadlock else (lambda s, p, m: gpipe_order(s, p, m))
         try:
             PipelineSchedule(stage, 2, F.mse_loss, order=mine).step(x, target=y)

@@ -13,7 +13,9 @@ is graded in its place; the docstring names the mistake. The kinds:
 
 - ``wrong``: the topic's classic conceptual error;
 - ``reference``: a call of what the exercise re-implements (directly, through an
-  alias, ``getattr`` or a helper defined in another cell);
+  alias, ``getattr``, a helper defined in another cell, a thread, ``exec``, a module
+  copy, a child Python): it must score 0 because the reference computes something else
+  than the exercise asks (the mutation run grades with the "must not call" guard off);
 - ``copy``: code visible in the student notebook, copied as the answer;
 - ``tamper``: an attempt on the kernel (``torch.equal = ...``, IPython hooks, a
   redefined helper of the notebook).
