@@ -244,16 +244,6 @@ def one_verdict_for_the_whole_model(solution):
     """)
 
 
-@mutant("ex4_weights_agree", "reference")
-def uses_all_gather_object(solution):
-    "all_gather_object, which the exercise rules out"
-    return body(solution, """
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, {n: p.detach().cpu() for n, p in model.named_parameters()})
-        return sorted(n for n in out[0] if not all(torch.equal(out[0][n], o[n]) for o in out))
-    """)
-
-
 @mutant("ex4_weights_agree", "wrong")
 def ddp_verification_defined_by_exec(solution):
     "attack (exec of a literal string): torch's own cross-rank check of DDP, which compares the parameters' shapes, "

@@ -12,15 +12,17 @@ def sum_not_rebased(solution):
     return swap(solution, "l = l * rebase + p.sum(-1)", "l = l + p.sum(-1)")
 
 
+# The history is the state the online algorithm keeps. An answer that recomputes each
+# prefix's (m, l) from its definition passes (it shows what the state is; it costs the
+# quadratic memory the algorithm avoids, which no check of values can see); the reference
+# gives the output and the final log-sum-exp, not the running max and sum.
 @mutant("online_attention", "reference")
 def calls_sdpa(solution):
-    "F.scaled_dot_product_attention for the output, the history from its definition"
+    "F.scaled_dot_product_attention for the output; the history from the log-sum-exp of each prefix (l = 1)"
     return body(solution, """
         s = q @ k.T * scale
-        history = []
-        for end in list(range(block_size, k.shape[0], block_size)) + [k.shape[0]]:
-            m = s[:, :end].max(-1).values
-            history.append((m, torch.exp(s[:, :end] - m[:, None]).sum(-1)))
+        ends = list(range(block_size, k.shape[0], block_size)) + [k.shape[0]]
+        history = [(torch.logsumexp(s[:, :end], -1), torch.ones(q.shape[0])) for end in ends]
         return F.scaled_dot_product_attention(q[None], k[None], v[None])[0], history
     """)
 

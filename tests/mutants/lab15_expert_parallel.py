@@ -14,10 +14,13 @@ def local_counts(solution):
 
 @mutant("global_balance_loss", "reference")
 def calls_load_balancing_loss(solution):
-    "the library's load_balancing_loss, fed the global counts"
-    return swap(solution, "    return E * (f * P).sum()", """    from mgpu_lab.parallel.moe import load_balancing_loss
-    T = len(router_logits)
-    return load_balancing_loss(torch.softmax(router_logits, -1), counts * T / (counts.sum() / top_k), T, top_k)""")
+    "the library's load_balancing_loss as MoE calls it: f from this rank's assignments"
+    return body(solution, """
+        from mgpu_lab.parallel.moe import load_balancing_loss
+        E = router_logits.shape[-1]
+        counts = F.one_hot(router_logits.topk(top_k, dim=-1).indices, E).sum((0, 1))
+        return load_balancing_loss(torch.softmax(router_logits, -1), counts, len(router_logits), top_k)
+    """)
 
 
 @mutant("global_balance_loss", "copy")
