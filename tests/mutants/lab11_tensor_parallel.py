@@ -1,4 +1,5 @@
-"""Mutants of lab 11: sp_f_and_g (sequence parallelism's f and g for unequal parts), parallel_swiglu
+"""Mutants of lab 11: sp_f_and_g (sequence parallelism's f and g for unequal parts, f-bar's backward for a
+tensor-parallel or a replicated consumer), parallel_swiglu
 (a fused w13), parallel_gqa (fewer K/V heads than ranks) and tp_plans (design, judged by measurement).
 
 A call of mgpu_lab's or torch's own layer is a ``wrong`` mutant here: none of them computes what these
@@ -9,6 +10,8 @@ LAB = "11_tensor_parallel"
 
 F_BACKWARD_SUM = """        total = grad.contiguous().clone()
         dist.all_reduce(total, group=ctx.group)"""
+SP_F_CALL = "    return GatherSequence.apply(x, sizes, group, tensor_parallel_output_grad)"
+SP_G_CALL = "    return ReduceScatterSequence.apply(x, sizes, group)"
 
 
 # --- sp_f_and_g ------------------------------------------------------------------------
@@ -26,11 +29,17 @@ def all_reduces_the_gradient_in_place(solution):
 
 
 @mutant("sp_f_and_g", "wrong")
+def applies_the_flag_backwards(solution):
+    "the flag read the wrong way round: a slice before a tensor-parallel consumer, a sum before a replicated one"
+    return swap(solution, "        if not ctx.tensor_parallel:", "        if ctx.tensor_parallel:")
+
+
+@mutant("sp_f_and_g", "wrong")
 def library_sequence_parallel_operators(solution):
     "mgpu_lab's own sequence-parallel operators: they need equal parts (7 positions on 2 ranks crash the gather)"
-    return prepend(swap(swap(solution, "    return GatherSequence.apply(x, sizes, group)",
-                             "    return gather_from_sequence_parallel_region(x, group)"),
-                        "    return ReduceScatterSequence.apply(x, sizes, group)",
+    return prepend(swap(swap(solution, SP_F_CALL,
+                             "    return gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad)"),
+                        SP_G_CALL,
                         "    return reduce_scatter_to_sequence_parallel_region(x, group)"), """
         from mgpu_lab.parallel.tensor_parallel import (gather_from_sequence_parallel_region,
                                                        reduce_scatter_to_sequence_parallel_region)
@@ -39,8 +48,12 @@ def library_sequence_parallel_operators(solution):
 
 @mutant("sp_f_and_g", "reference")
 def torch_differentiable_all_gather(solution):
-    "torch.distributed.nn.functional.all_gather on padded parts: torch's backward, not one derived"
-    return swap(solution, "    return GatherSequence.apply(x, sizes, group)", """    import torch.distributed.nn.functional as dnn
+    "torch's differentiable collectives (f-bar: all-gather of padded parts, flag ignored; g-bar: all-reduce, slice)"
+    solution = swap(solution, SP_G_CALL, """    import torch.distributed.nn.functional as dnn
+    total = dnn.all_reduce(x, group=group or dist.group.WORLD)
+    start = sum(sizes[:dist.get_rank(group)])
+    return total[:, start:start + sizes[dist.get_rank(group)]]""")
+    return swap(solution, SP_F_CALL, """    import torch.distributed.nn.functional as dnn
     padded = F.pad(x, (0, 0, 0, max(sizes) - x.shape[1]))
     parts = dnn.all_gather(padded, group=group or dist.group.WORLD)
     return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)""")
@@ -59,7 +72,7 @@ def section_2s_f_and_g(solution):
     solution = body(solution, """
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)
-        return grad, None, None
+        return grad, None, None, None
     """, region=1)
     return body(solution, """
         ctx.group = group
