@@ -233,6 +233,24 @@ def global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+def dtensor_module():
+    """torch's DTensor module (``torch.distributed.tensor``; ``_tensor`` before torch 2.5),
+    imported on first use: it costs half a second of CPU (sympy, symbolic shapes), which a
+    process that never builds a DTensor (a notebook kernel, a rank of ``launch``) skips."""
+    try:
+        import torch.distributed.tensor as module
+    except ImportError:  # torch < 2.5
+        import torch.distributed._tensor as module
+    return module
+
+
+def is_dtensor(t) -> bool:
+    """``isinstance(t, DTensor)`` without importing DTensor: no DTensor exists before its
+    module is loaded."""
+    module = sys.modules.get("torch.distributed.tensor") or sys.modules.get("torch.distributed._tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def rank_device() -> torch.device:
     """This rank's device: ``cuda:LOCAL_RANK`` when the group runs NCCL, else the CPU.
 

@@ -24,23 +24,20 @@ import torch
 import torch.distributed as dist
 
 from ..runtime._diagnosis import collective_failed
-from ..runtime.distributed import rank_and_world_size
-
-try:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor
-    from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+from ..runtime.distributed import is_dtensor, rank_and_world_size
 
 Piece = Tuple  # (names..., offset or rank): the same on every rank holding the same elements
 
 
 def piece_of(param: torch.Tensor, names: Sequence[str], flat_rank: int = -1) -> Piece:
     """What part of the model ``param`` holds: its names, and where its elements start."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         if any(pl.is_partial() for pl in param.placements):
             raise ValueError(f"{names[0]}: a Partial DTensor (a sum not yet reduced) has no norm of its own")
+        try:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        except ImportError:  # torch < 2.5
+            from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
         _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         return (*names, tuple(offset))
     return (*names, flat_rank)
@@ -76,7 +73,7 @@ class GlobalGradNorm:
         local, weights = [], []
         for p, w in zip(self.params, self.weights):
             if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                g = p.grad.to_local() if is_dtensor(p.grad) else p.grad
                 local.append(g)
                 weights.append(w)
         total = torch.zeros((), dtype=torch.float64, device=device)
@@ -97,7 +94,7 @@ class GlobalGradNorm:
     def clip_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient by min(1, max_norm / norm); returns the norm before clipping."""
         total = self.norm()
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad
                  for p in self.params if p.grad is not None]
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         by_kind: Dict[Tuple, List[torch.Tensor]] = {}

@@ -40,12 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import wrappers
-from ..runtime.distributed import rank_and_world_size
-
-try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # torch < 2.5
-    from torch.distributed._tensor import DTensor, distribute_tensor
+from ..runtime.distributed import dtensor_module, is_dtensor, rank_and_world_size
 
 
 @contextmanager
@@ -65,7 +60,7 @@ def describe_layout(model: nn.Module) -> str:
     kind = wrappers.wrapper_kind(model)
     _, world = rank_and_world_size()
     meshes = {tuple(p.device_mesh.mesh.shape): p.device_mesh.mesh_dim_names
-              for p in wrappers.unwrap(model).parameters() if isinstance(p, DTensor)}
+              for p in wrappers.unwrap(model).parameters() if is_dtensor(p)}
     mesh = "; ".join(f"mesh {'x'.join(map(str, s))}{f' {n}' if n else ''}" for s, n in meshes.items())
     return f"{kind} on {world} rank(s)" + (f", DTensor parameters ({mesh})" if mesh else "")
 
@@ -101,7 +96,7 @@ def _plain_name(name: str) -> str:
 # --------------------------------------------------------------------------- pieces of tensors
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
         with _quiet_redistribute():
             return t.full_tensor().detach()
     return t.detach()
@@ -109,12 +104,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _piece_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's piece of ``full`` laid out as ``like`` (a DTensor, or a whole tensor)."""
-    if not isinstance(like, DTensor):
+    if not is_dtensor(like):
         return full.detach().to(like.device)
-    if isinstance(full, DTensor):  # loaded in place by torch.distributed.checkpoint: already the piece
+    if is_dtensor(full):  # loaded in place by torch.distributed.checkpoint: already the piece
         return full
-    d = distribute_tensor(full.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None)
-    return DTensor.from_local(d.to_local().clone(), like.device_mesh, like.placements, run_check=False,
+    dt = dtensor_module()
+    d = dt.distribute_tensor(full.detach().to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return dt.DTensor.from_local(d.to_local().clone(), like.device_mesh, like.placements, run_check=False,
                               shape=d.shape, stride=d.stride())
 
 
