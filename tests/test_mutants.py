@@ -1,10 +1,10 @@
 """Every exercise is proven by the wrong answers it rejects (tests/mutants/).
 
 A lab is filled with its solutions; in each *round* every exercise gets its next
-mutant in place of its solution, except one exercise per round that keeps its
+variant in place of its solution: one of its mutants, or its cell as the learner
+receives it (which must score 0); an exercise whose variants are used up keeps its
 solution (so a round also shows that the others keep their full marks). All rounds
-of all labs, and each untouched lab, are graded in one ``mgpu-lab grade --jobs 2``
-run, sandboxed where bubblewrap works. A mutant is *killed* when its exercise scores
+of all labs are graded in one ``mgpu-lab grade --jobs 2`` run, sandboxed where bubblewrap works. A mutant is *killed* when its exercise scores
 0 for a reason of its kind: a tampering attempt is reported as tampering; a wrong
 answer, a copy or a call of the reference by a failed check (a reference reached
 through ``getattr`` of a built name may be reported as tampering), never by a crash of
@@ -46,7 +46,7 @@ from mutants import KINDS, all_mutants
 
 MUTANTS = all_mutants()
 LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
-# The first test to use the mutation run waits for it (82 notebooks, a few minutes on 2
+# The first test to use the mutation run waits for it (about 100 notebooks, minutes on 2
 # cores), over pytest's default limit per test.
 MUTATION_RUN_TIMEOUT = 1200
 WITH_SOLUTION = os.environ.get("MGPU_LAB_MUTANTS_SOLUTION") == "1"
@@ -76,20 +76,19 @@ def filled(lab, sources):
     return nb
 
 
+UNTOUCHED = "untouched"   # in a round: the exercise as the learner receives it (must score 0)
+
+
 def rounds(lab):
-    """``[{exercise: mutant or None}]``: round r skips exercise i when r == i mod R."""
+    """``[{exercise: mutant, UNTOUCHED or None}]``: exercise i's variants (its mutants,
+    then its untouched cell) in rounds i, i + 1, ... (mod R); None (its solution) in the
+    rounds left over. R is the most variants of any exercise, so no notebook is graded
+    for the untouched lab alone."""
     ex = list(exercises(lab))
-    mine = {e: [m for m in MUTANTS if m.lab == lab and m.exercise == e] for e in ex}
-    R = max((len(v) for v in mine.values()), default=0) + 1
-    plan = []
-    for r in range(R):
-        row = {}
-        for i, e in enumerate(ex):
-            skip = i % R
-            k = None if r == skip else (r if r < skip else r - 1)
-            row[e] = mine[e][k] if k is not None and k < len(mine[e]) else None
-        plan.append(row)
-    return plan
+    variants = {e: [m for m in MUTANTS if m.lab == lab and m.exercise == e] + [UNTOUCHED] for e in ex}
+    R = max((len(v) for v in variants.values()), default=0)
+    return [{e: variants[e][(r - i) % R] if (r - i) % R < len(variants[e]) else None
+             for i, e in enumerate(ex)} for r in range(R)]
 
 
 def test_every_exercise_has_three_mutants_of_the_required_kinds():
@@ -144,8 +143,8 @@ def without_guard(folder: Path) -> Path:
 
 
 class MutationRun:
-    """``mgpu-lab grade --jobs 2`` over every round of the labs, each untouched lab (and
-    each solution, :data:`WITH_SOLUTION`), in a child process."""
+    """``mgpu-lab grade --jobs 2`` over every round of the labs (and each solution,
+    :data:`WITH_SOLUTION`), in a child process."""
 
     def __init__(self, labs):
         self.folder = Path(tempfile.mkdtemp(prefix="mgpu-lab-mutants-"))
@@ -158,15 +157,15 @@ class MutationRun:
             for r, row in enumerate(rounds(lab)):
                 sources = dict(answers)
                 for ex, m in row.items():
-                    if m is not None:
+                    if m is UNTOUCHED:
+                        del sources[ex]                       # the lab's own cell stays
+                    elif m is not None:
                         new = m.make(answers[ex])
                         assert new != answers[ex], f"{lab} {m.name} changes nothing"
                         sources[ex] = new
                 name = f"{lab}--round{r}"
                 nbformat.write(filled(lab, sources), klass / f"{name}.ipynb")
                 self.plan[name] = (lab, row)
-            nbformat.write(make_lab(sol), klass / f"{lab}--untouched.ipynb")
-            self.plan[f"{lab}--untouched"] = (lab, None)
             if WITH_SOLUTION:
                 nbformat.write(filled(lab, answers), klass / f"{lab}--solution.ipynb")
                 self.plan[f"{lab}--solution"] = (lab, {ex: None for ex in exercises(lab)})
@@ -257,9 +256,9 @@ def _verdicts(plan, graded, lab):
             continue
         score = {e["grade_id"]: e for e in nb["exercises"]}
         for ex, gids in exercises(lab).items():
-            m = None if row is None else row[ex]
+            m = row[ex]
             got = [score[g] for g in gids]
-            if row is None:                                   # the untouched lab
+            if m is UNTOUCHED:
                 if any(e["score"] for e in got):
                     problems.append(f"{name} {ex}: an untouched exercise scored points")
             elif m is None:
