@@ -3,7 +3,8 @@
 A lab is filled with its solutions; in each *round* every exercise gets its next
 variant in place of its solution: one of its mutants, or its cell as the learner
 receives it (which must score 0); an exercise whose variants are used up keeps its
-solution (so a round also shows that the others keep their full marks). All rounds
+solution (so a round also shows that the others keep their full marks). Tampering
+attempts have rounds of their own (:func:`rounds`). All rounds
 of all labs are graded in one ``mgpu-lab grade --jobs 2`` run, sandboxed where bubblewrap works. A mutant is *killed* when its exercise scores
 0 for a reason of its kind: a tampering attempt is reported as tampering; a wrong
 answer, a copy or a call of the reference by a failed check (a reference reached
@@ -80,15 +81,21 @@ UNTOUCHED = "untouched"   # in a round: the exercise as the learner receives it 
 
 
 def rounds(lab):
-    """``[{exercise: mutant, UNTOUCHED or None}]``: exercise i's variants (its mutants,
-    then its untouched cell) in rounds i, i + 1, ... (mod R); None (its solution) in the
-    rounds left over. R is the most variants of any exercise, so no notebook is graded
-    for the untouched lab alone."""
+    """``[{exercise: mutant, UNTOUCHED or None}]`` (None: its solution). First the tampering
+    rounds: every exercise's tampering attempts side by side, with nothing else (a kernel
+    one exercise tampered with can let another's wrong answer through a check that
+    observes the kernel: README's honour-level points). Then the other rounds: each
+    exercise's other mutants, then its untouched cell, one per round."""
     ex = list(exercises(lab))
-    variants = {e: [m for m in MUTANTS if m.lab == lab and m.exercise == e] + [UNTOUCHED] for e in ex}
-    R = max((len(v) for v in variants.values()), default=0)
-    return [{e: variants[e][(r - i) % R] if (r - i) % R < len(variants[e]) else None
-             for i, e in enumerate(ex)} for r in range(R)]
+
+    def mine(e, tamper):
+        return [m for m in MUTANTS if m.lab == lab and m.exercise == e and (m.kind == "tamper") == tamper]
+
+    plan = []
+    for group in ({e: mine(e, True) for e in ex}, {e: mine(e, False) + [UNTOUCHED] for e in ex}):
+        depth = max((len(v) for v in group.values()), default=0)
+        plan += [{e: group[e][r] if r < len(group[e]) else None for e in ex} for r in range(depth)]
+    return plan
 
 
 def test_every_exercise_has_three_mutants_of_the_required_kinds():
