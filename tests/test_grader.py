@@ -350,6 +350,24 @@ def test_a_probe_already_scored_zero_is_neither_run_nor_judged(tmp_path, monkeyp
     assert grade.seconds < 120, "the looping probe ran to its time limit"
 
 
+def test_a_notebook_whose_every_check_is_settled_statically_starts_no_kernel(monkeypatch, tmp_path):
+    """Tampering in every exercise: each scores 0 as tampering, and no kernel is started
+    for a notebook with nothing left to run."""
+    from mgpu_lab.course import grader
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a kernel was started")
+
+    monkeypatch.setattr(grader, "run_prepared", no_run)
+    write(toy(add="math.pi = 3.0\ndef add(a, b):\n    return a + b",
+              mul="math.e = 2.0\ndef mul(a, b):\n    return a * b"), tmp_path / "all.ipynb")
+    grade = grade_notebook(tmp_path / "all.ipynb", load_solutions(DATA / "solutions"),
+                           box=Sandbox(False, "test"))
+    assert grade.error is None
+    assert {e.grade_id: (e.score, e.error) for e in grade.exercises} == {
+        "add_test": (0.0, "Tampering"), "mul_test": (0.0, "Tampering")}
+
+
 # --- the pieces, without kernels -----------------------------------------------
 
 @pytest.mark.parametrize("evidence, want", [

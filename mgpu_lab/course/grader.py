@@ -169,11 +169,12 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
     grade.tampering = [f"{where}: {what}" for where, what, _ in tampered]
     zeroed = set(static) | {gid for _, _, gids in tampered for gid in gids}
     settled = {i for i, gid in prepared.graded.items() if gid in zeroed}
+    run = None                 # every check settled by the static pass: no kernel to start
     try:
-        run = run_prepared(prepared, instructor, box, limits or Limits(), timeout,
-                           total_timeout, settled, pool)
+        if settled != set(prepared.graded):
+            run = run_prepared(prepared, instructor, box, limits or Limits(), timeout,
+                               total_timeout, settled, pool)
     except Exception as err:
-        run = None
         grade.error = f"GraderError: {brief(str(err))}"
     where, named = {gid: i for i, gid in prepared.graded.items()}, titles(instructor)
     try:
