@@ -80,7 +80,7 @@ def _cmd_copy(args) -> int:
 
 def check_command(root: Path, lab: str) -> list:
     """The pytest command that checks one lab in the checkout ``root``: its nbval, and the
-    mutation run of its mutants with its untouched lab (0 points) and its whole solution
+    mutation run of its mutants and its untouched cells (0 points), with its whole solution
     (full marks) graded too (``MGPU_LAB_MUTANTS_SOLUTION=1``), beside each other."""
     return [sys.executable, "-m", "pytest", f"solutions/{lab}.ipynb", "tests/test_mutants.py",
             "--nbval", "--nbval-current-env", "--nbval-cell-timeout=300",
@@ -151,7 +151,7 @@ def add_parser(subparsers) -> None:
                        "else the labs installed with the package)")
     copy_.set_defaults(func=_cmd_copy)
     check = sub.add_parser("check", help="one lab as CI checks it: nbval, its solution (full "
-                           "marks), its untouched lab (0) and its mutants")
+                           "marks), its untouched cells (0) and its mutants")
     check.add_argument("lab", metavar="NN", help="the lab's number (00) or name (00_setup)")
     check.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
     check.set_defaults(func=_cmd_check)
