@@ -19,15 +19,18 @@ def _local_imports(path):
     return found
 
 
-def test_no_import_circle_between_the_parallel_modules():
-    graph = {p.stem: _local_imports(p) for p in PARALLEL.glob("*.py")}
-
+def _circles(graph) -> list:
+    """The modules of ``graph`` (``{module: modules it imports}``) that reach themselves."""
     def reaches(start, target, seen):
         for nxt in graph.get(start, ()):
             if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
                 return True
         return False
-    circles = sorted(m for m in graph if reaches(m, m, {m}))
+    return sorted(m for m in graph if reaches(m, m, {m}))
+
+
+def test_no_import_circle_between_the_parallel_modules():
+    circles = _circles({p.stem: _local_imports(p) for p in PARALLEL.glob("*.py")})
     assert not circles, f"modules in an import circle: {circles}"
 
 
@@ -101,14 +104,7 @@ def test_every_course_module_has_a_side():
 
 
 def test_no_import_circle_between_the_course_modules():
-    graph = {m: set(deps) - {m} for m, deps in _course_graph().items()}
-
-    def reaches(start, target, seen):
-        for nxt in graph.get(start, ()):
-            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
-                return True
-        return False
-    circles = sorted(m for m in graph if reaches(m, m, {m}))
+    circles = _circles({m: set(deps) - {m} for m, deps in _course_graph().items()})
     assert not circles, f"course modules in an import circle: {circles}"
 
 
