@@ -7,10 +7,10 @@ solution (so a round also shows that the others keep their full marks). Tamperin
 attempts have rounds of their own (:func:`rounds`). All rounds of all labs are graded
 in one ``mgpu-lab grade --jobs 3`` run (three at a time on 2 cores: a notebook often
 waits, for its kernel to start or its ranks to meet), sandboxed where bubblewrap works.
-A mutant is *killed* when its exercise scores 0 for a reason of its kind: a tampering attempt is reported as tampering; a wrong
-answer, a copy or a call of the reference by a failed check (a reference reached
-through ``getattr`` of a built name may be reported as tampering), never by a crash of
-the check itself. The kill rate must be 100 %; the test prints it per lab.
+A mutant is *killed* when its exercise scores 0 for a reason of its kind: a tampering
+attempt is reported as tampering; a wrong answer, a copy or a call of the reference by a
+failed check (a reference reached through ``getattr`` of a built name may be reported as
+tampering), never by a crash of the check itself. The kill rate must be 100 %; the test prints it per lab.
 
 **No kill rests on the "must not call X" guard.** The run grades against a copy of the
 solutions without their ``reimplements`` metadata, so neither the static pass nor the
