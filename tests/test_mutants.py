@@ -10,7 +10,8 @@ waits, for its kernel to start or its ranks to meet), sandboxed where bubblewrap
 A mutant is *killed* when its exercise scores 0 for a reason of its kind: a tampering
 attempt is reported as tampering; a wrong answer, a copy or a call of the reference by a
 failed check (a reference reached through ``getattr`` of a built name may be reported as
-tampering), never by a crash of the check itself. The kill rate must be 100 %; the test prints it per lab.
+tampering), never by a crash of the check itself. The kill rate must be 100 %; the test
+prints it per lab.
 
 **No kill rests on the "must not call X" guard.** The run grades against a copy of the
 solutions without their ``reimplements`` metadata, so neither the static pass nor the
