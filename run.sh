@@ -87,7 +87,9 @@ case "$cmd" in
     apt_install chromium chromium
     # OMP threads: 2 processes per test on a 2-core machine; one thread each.
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-    exec "$PY" -m pytest tests solutions \
+    # Two workers (pytest-xdist), a file each at a time (a notebook's cells run in order in
+    # one kernel); the mutation run grades beside them (tests/test_mutants.py).
+    exec "$PY" -m pytest -n 2 --dist loadfile tests solutions \
       --nbval --nbval-current-env --nbval-cell-timeout=300 \
       --nbval-sanitize-with solutions/sanitize.cfg "$@"
     ;;

@@ -304,6 +304,29 @@ def run_session(cmd, env, timeout: float = 120) -> subprocess.CompletedProcess:
     return finish_session(start_session(cmd, env), timeout)
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``./run.sh test`` runs two workers), the controller prepares the
+    one mutation run its workers share (tests/test_mutants.py)."""
+    if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
+        from test_mutants import share_with_workers
+        share_with_workers(config)
+
+
+_SUMMARIES = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":       # test_mutants.SUMMARY
+        _SUMMARIES.extend(value for name, value in report.user_properties if name == "mutation run")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The mutation run's kill-rate table, once its test has run (here or on a worker)."""
+    for text in _SUMMARIES:
+        terminalreporter.write_sep("=", "mutation run")
+        terminalreporter.write_line(text)
+
+
 @pytest.hookimpl(trylast=True)      # after -k and -m have deselected
 def pytest_collection_modifyitems(session, config, items):
     """The mutation run (tests/test_mutants.py) starts now, in a child process that grades

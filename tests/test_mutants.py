@@ -153,12 +153,10 @@ def without_guard(folder: Path) -> Path:
 
 class MutationRun:
     """``mgpu-lab grade --jobs 2`` over every round of the labs (and each solution,
-    :data:`WITH_SOLUTION`), in a child process."""
+    :data:`WITH_SOLUTION`), in a child process, its files in ``folder``."""
 
-    def __init__(self, labs):
-        self.folder = Path(tempfile.mkdtemp(prefix="mgpu-lab-mutants-"))
-        klass, self.plan = self.folder / "class", {}
-        klass.mkdir()
+    def __init__(self, labs, folder: Path):
+        self.folder, self.labs, self.plan, self.notebooks = folder, labs, {}, {}
         for lab in labs:
             sol = solution(lab)
             answers = {nbgrader_meta(c)["grade_id"]: c.source for c in sol.cells
@@ -172,23 +170,29 @@ class MutationRun:
                         new = m.make(answers[ex])
                         assert new != answers[ex], f"{lab} {m.name} changes nothing"
                         sources[ex] = new
-                name = f"{lab}--round{r}"
-                nbformat.write(filled(lab, sources), klass / f"{name}.ipynb")
-                self.plan[name] = (lab, row)
+                self.plan[f"{lab}--round{r}"] = (lab, row)
+                self.notebooks[f"{lab}--round{r}"] = sources
             if WITH_SOLUTION:
-                nbformat.write(filled(lab, answers), klass / f"{lab}--solution.ipynb")
                 self.plan[f"{lab}--solution"] = (lab, {ex: None for ex in exercises(lab)})
-        self.out = self.folder / "grades.json"
+                self.notebooks[f"{lab}--solution"] = answers
+        self.out = folder / "grades.json"
+        self.log, self.rc, self.pid = (folder / n for n in ("log", "rc", "pid"))
+        self.start = monotonic()
+
+    def begin(self) -> None:
+        """Write the notebooks and start grading them."""
+        klass = self.folder / "class"
+        klass.mkdir()
+        for name, sources in self.notebooks.items():
+            nbformat.write(filled(self.plan[name][0], sources), klass / f"{name}.ipynb")
         args = [sys.executable, "-m", "mgpu_lab", "grade", str(klass), "--solutions",
                 str(without_guard(self.folder / "solutions")), "--json", str(self.out),
                 "--jobs", "2", "--quiet"]
         if not probe().available:
             args.append("--no-sandbox")
-        self.start = monotonic()
         # A daemon (its parent exits at once): the tests that check that they leave no
         # process behind do not see it. Niced: it takes the CPU the other tests leave
         # idle, and yields it to them (their time limits are tighter than its own).
-        self.log, self.rc, self.pid = (self.folder / n for n in ("log", "rc", "pid"))
         subprocess.run([sys.executable, "-c", DAEMON, str(self.log), str(self.rc),
                         str(self.pid), str(NICE), *args], check=True)
 
@@ -199,7 +203,7 @@ class MutationRun:
         while not self.rc.exists() and monotonic() < end:
             time.sleep(1)
         if not self.rc.exists():
-            self.stop()
+            stop(self.folder)
             pytest.fail(f"the mutation run did not end in {timeout:g} s more")
         time.sleep(0.2)
         output = self.log.read_text(errors="replace")
@@ -208,13 +212,16 @@ class MutationRun:
         graded = {n["student"]: n for n in json.loads(self.out.read_text())["notebooks"]}
         return self.plan, graded, seconds
 
-    def stop(self) -> None:
-        if not self.rc.exists() and self.pid.exists():
-            try:
-                os.killpg(int(self.pid.read_text()), 9)
-            except (OSError, ValueError):
-                pass
-        shutil.rmtree(self.folder, ignore_errors=True)
+
+def stop(folder: Path) -> None:
+    """End a mutation run that is still going, and remove its folder."""
+    rc, pid = folder / "rc", folder / "pid"
+    if not rc.exists() and pid.exists():
+        try:
+            os.killpg(int(pid.read_text()), 9)
+        except (OSError, ValueError):
+            pass
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 DAEMON = """import os, subprocess, sys
@@ -231,6 +238,35 @@ os.rename(rc + ".tmp", rc)
 
 
 _RUN = {}
+# Under pytest-xdist the controller makes one folder for the run (:func:`share_with_workers`)
+# and names it here; every worker collects this file, the first to claim the folder starts
+# the run, and the tests here (one file, so one worker) wait for it.
+SHARED = "MGPU_LAB_MUTATION_RUN"
+SUMMARY = "mutation run"    # the kill-rate table, a property of its test's report
+
+
+def share_with_workers(config) -> None:
+    """From tests/conftest.py, in pytest-xdist's controller: the folder the workers' one
+    mutation run will use, removed (the run ended) when the session ends."""
+    folder = Path(tempfile.mkdtemp(prefix="mgpu-lab-mutants-"))
+    os.environ[SHARED] = str(folder)
+    config.add_cleanup(lambda: stop(folder))
+
+
+def _run(labs, config) -> MutationRun:
+    shared = os.environ.get(SHARED)
+    if not shared:
+        run = MutationRun(labs, Path(tempfile.mkdtemp(prefix="mgpu-lab-mutants-")))
+        config.add_cleanup(lambda: stop(run.folder))
+        run.begin()
+        return run
+    run = MutationRun(labs, Path(shared))
+    try:
+        (run.folder / "claimed").mkdir()       # atomic: one worker wins
+    except FileExistsError:
+        return run
+    run.begin()
+    return run
 
 
 def start_beside(config, items) -> None:
@@ -240,16 +276,14 @@ def start_beside(config, items) -> None:
     items[:] = [item for item in items if not _mine(item)] + mine
     labs = _selected_labs(mine)
     if labs and not config.option.collectonly and "run" not in _RUN:
-        _RUN["run"] = MutationRun(labs)
-        config.add_cleanup(_RUN["run"].stop)
+        _RUN["run"] = _run(labs, config)
 
 
 @pytest.fixture(scope="module")
 def mutation_run(request):
     """The mutation run's result (started beside the other tests, or now)."""
     if "run" not in _RUN:
-        _RUN["run"] = MutationRun(_selected_labs(request.session.items))
-        request.config.add_cleanup(_RUN["run"].stop)
+        _RUN["run"] = _run(_selected_labs(request.session.items), request.config)
     return _RUN["run"].result(MUTATION_RUN_TIMEOUT)
 
 
@@ -300,7 +334,7 @@ def test_each_mutant_scores_zero_on_its_exercise_and_the_others_keep_full_marks(
 
 @pytest.mark.slow
 @pytest.mark.timeout(MUTATION_RUN_TIMEOUT)
-def test_kill_rate_is_100_percent(mutation_run, capsys):
+def test_kill_rate_is_100_percent(mutation_run, record_property):
     plan, graded, seconds = mutation_run
     rows, total, killed = [], 0, 0
     for lab in LABS:
@@ -311,8 +345,8 @@ def test_kill_rate_is_100_percent(mutation_run, capsys):
         total, killed = total + n, killed + len(kills)
         rows.append(f"  {lab:<28} {len(exercises(lab)):>2} exercises  {n:>3} mutants  "
                     f"{len(kills):>3} killed")
-    with capsys.disabled():
-        print(f"\nmutation run: {len(plan)} notebooks graded in {seconds:.0f} s")
-        print("\n".join(rows))
-        print(f"  kill rate: {killed}/{total} = {100.0 * killed / max(total, 1):.1f} %")
+    # Printed at the end of the session (tests/conftest.py), also from an xdist worker.
+    record_property(SUMMARY, "\n".join(
+        [f"mutation run: {len(plan)} notebooks graded in {seconds:.0f} s", *rows,
+         f"  kill rate: {killed}/{total} = {100.0 * killed / max(total, 1):.1f} %"]))
     assert total and killed == total
