@@ -140,6 +140,19 @@ def test_collective_timeouts_are_recognised():
     assert not collective_timed_out("RuntimeError: Connection closed by peer [127.0.0.1]:12345")
 
 
+def test_a_rank_that_failed_because_its_peer_died_is_never_the_root_cause():
+    from mgpu_lab.runtime._diagnosis import root_cause
+    bystander = {"ok": False, "type": "RuntimeError", "time": 1.0,
+                 "error": "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:43156"}
+    raised = {"ok": False, "type": "ValueError", "time": 2.0, "error": "ValueError: boom"}
+    killed = {"ok": False, "time": float("inf"), "error": "rank 1 was killed by signal SIGKILL"}
+    # the bystander (rank 0) was seen ending first: on a loaded machine it can be
+    assert root_cause([0, 1], {0: 0, 1: 1}, [bystander, raised]) == 1
+    assert root_cause([0, 1], {0: 0, 1: 1}, [bystander, killed]) == 1
+    assert root_cause([0, 1], {0: 0, 1: 1}, [bystander, dict(bystander)]) == 0   # all bystanders: the first seen
+    assert root_cause([0, 1], {0: 0, 1: 1}, [raised, killed]) == 0
+
+
 def test_the_root_cause_is_the_first_rank_seen_failing_even_with_a_traceback():
     def fn():
         dist.barrier()  # both ranks are past init_process_group

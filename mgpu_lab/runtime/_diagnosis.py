@@ -144,8 +144,13 @@ def exit_without_result(rank: int, exitcode: Optional[int], stderr_text: str) ->
 
 
 def root_cause(failed: Sequence[int], seen: Dict[int, int], results: Sequence[dict]) -> int:
-    """The failed rank the parent saw end first; ties: no traceback first, then the rank's own clock."""
-    return min(failed, key=lambda r: (seen.get(r, float("inf")), "type" in results[r],
+    """The failed rank that made the others fail. A rank that raised because a peer went away
+    ("Connection closed by peer") is a bystander, never the cause while another rank failed
+    otherwise: on a loaded machine a bystander can end before the rank that died. Then the rank
+    the parent saw end first; ties: no traceback first, then the rank's own clock."""
+    def bystander(r):
+        return "type" in results[r] and peer_died(results[r].get("error", ""))
+    return min(failed, key=lambda r: (bystander(r), seen.get(r, float("inf")), "type" in results[r],
                                       results[r].get("time", float("inf"))))
 
 

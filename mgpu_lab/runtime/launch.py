@@ -38,7 +38,8 @@ What it does, and why:
   a long loop); the other ranks' are printed when they end, in rank order. Every
   line is prefixed ``[rank R]``, and a cell's final output is deterministic.
 * **failures surface in the parent** as ``LaunchError`` with the root cause:
-  the rank the parent saw fail first, with its traceback, or the signal that
+  the rank the parent saw fail first (a rank that only saw a peer go away comes
+  last), with its traceback, or the signal that
   killed it (and the Python stack ``faulthandler`` printed), and where the
   other ranks waited ("rank 1 returned from fn while rank 0 was still in
   barrier()"). After a failure, a hang or Ctrl-C, every rank and its own
@@ -89,7 +90,8 @@ OUTPUT_POLL_SECONDS = 0.1  # how often rank 0's new output is echoed
 
 
 class LaunchError(RuntimeError):
-    """A rank failed. ``rank`` is the root cause: the first rank the parent saw fail.
+    """A rank failed. ``rank`` is the root cause: the first rank the parent saw fail, not
+    counting ranks that failed only because a peer went away.
     ``failures`` maps every failed rank to its error text (traceback, or how it died)."""
 
     def __init__(self, rank: int, failures: Dict[int, str], note: str = ""):
