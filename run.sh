@@ -88,8 +88,10 @@ case "$cmd" in
     # OMP threads: 2 processes per test on a 2-core machine; one thread each.
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     # Two workers (pytest-xdist), a file each at a time (a notebook's cells run in order in
-    # one kernel); the mutation run grades beside them (tests/test_mutants.py).
-    exec "$PY" -m pytest -n 2 --dist loadfile tests solutions \
+    # one kernel), in collection order: tests/test_mutants.py, which waits for the mutation
+    # run grading beside them, comes last (xdist's default order, most tests first, gave it
+    # to a worker that then waited five minutes while the other did the rest alone).
+    exec "$PY" -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests solutions \
       --nbval --nbval-current-env --nbval-cell-timeout=300 \
       --nbval-sanitize-with solutions/sanitize.cfg "$@"
     ;;
