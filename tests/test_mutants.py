@@ -20,10 +20,10 @@ from a thread, an ``exec`` of a literal, a module copy, a child Python...) must 
 because what the reference computes is not what the exercise asks for. The guard stays,
 for learners, as a courtesy message (tests/test_grader.py checks it).
 
-The run is a child process, started as soon as the session's tests are collected
-(tests/conftest.py calls :func:`start_beside`): it grades beside the other tests, which
-leave one of the two cores idle much of the time (waits on launches, time limits,
-browsers), and the tests here run last, when it is done. ``MGPU_LAB_MUTANTS_SOLUTION=1``
+The run is a child process (niced), started as soon as the session's tests are collected
+(tests/conftest.py calls :func:`start_beside`): it grades beside the other tests, taking
+the CPU they leave, and the tests here run last, when it is done. Under pytest-xdist
+(``./run.sh test``) the workers share one run (:data:`SHARED`). ``MGPU_LAB_MUTANTS_SOLUTION=1``
 also grades each selected lab's whole solution, which must score full marks (the
 author's loop, ``mgpu-lab labs check NN``, sets it).
 """
