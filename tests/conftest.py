@@ -312,18 +312,19 @@ def pytest_configure(config):
         share_with_workers(config)
 
 
+SUMMARY = "mutation run"    # test_mutants' kill-rate table, a property of its test's report
 _SUMMARIES = []
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "call":       # test_mutants.SUMMARY
-        _SUMMARIES.extend(value for name, value in report.user_properties if name == "mutation run")
+    if report.when == "call":
+        _SUMMARIES.extend(value for name, value in report.user_properties if name == SUMMARY)
 
 
 def pytest_terminal_summary(terminalreporter):
     """The mutation run's kill-rate table, once its test has run (here or on a worker)."""
     for text in _SUMMARIES:
-        terminalreporter.write_sep("=", "mutation run")
+        terminalreporter.write_sep("=", SUMMARY)
         terminalreporter.write_line(text)
 
 

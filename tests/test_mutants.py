@@ -44,7 +44,7 @@ from mgpu_lab.course.cells import exercise_of, graded_cells, nbgrader_meta
 from mgpu_lab.course.guard import forbidden_of
 from mgpu_lab.course.notebooks import make_lab
 from mgpu_lab.course.sandbox import probe
-from conftest import ROOT
+from conftest import ROOT, SUMMARY
 from mutants import KINDS, all_mutants
 
 MUTANTS = all_mutants()
@@ -156,7 +156,7 @@ class MutationRun:
     :data:`WITH_SOLUTION`), in a child process, its files in ``folder``."""
 
     def __init__(self, labs, folder: Path):
-        self.folder, self.labs, self.plan, self.notebooks = folder, labs, {}, {}
+        self.folder, self.plan, self.notebooks = folder, {}, {}
         for lab in labs:
             sol = solution(lab)
             answers = {nbgrader_meta(c)["grade_id"]: c.source for c in sol.cells
@@ -242,7 +242,6 @@ _RUN = {}
 # and names it here; every worker collects this file, the first to claim the folder starts
 # the run, and the tests here (one file, so one worker) wait for it.
 SHARED = "MGPU_LAB_MUTATION_RUN"
-SUMMARY = "mutation run"    # the kill-rate table, a property of its test's report
 
 
 def share_with_workers(config) -> None:
@@ -255,14 +254,12 @@ def share_with_workers(config) -> None:
 
 def _run(labs, config) -> MutationRun:
     shared = os.environ.get(SHARED)
+    folder = Path(shared) if shared else Path(tempfile.mkdtemp(prefix="mgpu-lab-mutants-"))
     if not shared:
-        run = MutationRun(labs, Path(tempfile.mkdtemp(prefix="mgpu-lab-mutants-")))
-        config.add_cleanup(lambda: stop(run.folder))
-        run.begin()
-        return run
-    run = MutationRun(labs, Path(shared))
+        config.add_cleanup(lambda: stop(folder))
+    run = MutationRun(labs, folder)
     try:
-        (run.folder / "claimed").mkdir()       # atomic: one worker wins
+        (folder / "claimed").mkdir()       # atomic: of xdist's workers, one starts the run
     except FileExistsError:
         return run
     run.begin()
