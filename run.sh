@@ -6,8 +6,8 @@
 #   ./run.sh lab     JupyterLab on labs/ (the main job)
 #   ./run.sh tour    the headless tour: runs every solution notebook, prints a table
 #   ./run.sh test    the whole test suite (unit tests, nbval over solutions/, grader)
-#   ./run.sh gpu     on a GPU machine: the GPU tests, every lab in a kernel that used
-#                    CUDA first, every benchmark -> gpu-results.json
+#   ./run.sh gpu     on a GPU machine: the GPU benchmarks and tests, every lab in a kernel
+#                    that used CUDA first -> gpu-results.json (--no-install: no venv)
 #   ./run.sh mgpu-lab ARGS...   any mgpu-lab command inside the environment
 #
 # TORCH_SPEC picks the torch to install. By default: the CUDA build ("torch") where
@@ -96,7 +96,15 @@ case "$cmd" in
       --nbval-sanitize-with solutions/sanitize.cfg "$@"
     ;;
   gpu)
-    setup course,test,lightning
+    # --no-install: a GPU machine without a package index, whose python3 already has torch
+    # (the notebook stack on PYTHONPATH): run this checkout with that python.
+    if [ "${1:-}" = --no-install ]; then
+      shift
+      PY=python3
+      export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    else
+      setup course,test,lightning
+    fi
     command -v nvidia-smi >/dev/null 2>&1 ||
       { echo "run.sh gpu: no nvidia-smi here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -1,30 +1,40 @@
-"""The GPU pass: every GPU test, every lab in a kernel that touched CUDA first, every benchmark.
+"""The GPU pass: every GPU test, every lab in a kernel that touched CUDA first, the benchmarks.
 
     OMP_NUM_THREADS=1 python -m mgpu_lab.course.gpu_pass --out gpu-results.json
 
 What a GPU machine must show, in one command and one results file:
 
-1. ``pytest -m gpu tests`` (the tests marked ``gpu`` are skipped without CUDA);
-2. every ``solutions/*.ipynb``, each in a fresh kernel whose first cell initialises
+1. the benchmarks a GPU changes (``--benchmarks``; default: mixed precision, activation
+   checkpointing, DataParallel), one at a time with the GPU to themselves, first, so
+   that their timings see no other work; the last JSON line of each is kept;
+2. ``pytest -m gpu tests`` (the tests marked ``gpu`` are skipped without CUDA);
+3. every ``solutions/*.ipynb``, each in a fresh kernel whose first cell initialises
    CUDA (``torch.cuda.init()`` and one tensor on the GPU) before the lab's own cells:
    the design promises that a lab works "also when an earlier cell of the same kernel
    already used the GPU" (``launch`` must then leave fork for a forkserver); the lab
-   passes when no cell raised and every graded cell passed (as ``mgpu-lab tour``);
-3. every ``benchmarks/bench_*.py``, whose last JSON line is kept.
+   passes when no cell raised and every graded cell passed (as ``mgpu-lab tour``). The
+   text printed by each cell that asks about CUDA is kept (``gpu_cells``): the labs'
+   GPU figures. Steps 2 and 3 share ``--jobs`` processes (the labs' multi-rank cells
+   run on gloo: NCCL refuses two ranks on one GPU).
 
-The file: ``{"device", "date", "torch", "cuda", "pytest", "labs", "benchmarks", "ok"}``,
-written after each step (a crash keeps what finished). Exit status 0 when all passed, 1
-otherwise, 2 when there is no GPU (``--allow-cpu`` runs anyway, for trying it on a laptop).
-Costs: as long as the three together (about 15-30 minutes on one GPU).
+The file: ``{"device", "date", "torch", "cuda", "benchmarks", "pytest", "labs", "ok"}``,
+written after each step (a crash or a kill keeps what finished). ``--budget S`` starts
+nothing after S seconds (what was left is listed as not run), so the pass fits a lease
+of GPU time. Exit status 0 when all passed, 1 otherwise, 2 when there is no GPU
+(``--allow-cpu`` runs anyway, for trying it on a laptop).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from datetime import datetime, timezone
+from multiprocessing import get_context
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -32,6 +42,9 @@ import nbformat
 
 TOUCH_CUDA = "import torch\ntorch.cuda.init()\n_ = torch.empty(1, device='cuda')"
 ROOT = Path(__file__).resolve().parents[2]
+GPU_BENCHMARKS = ("bench_amp", "bench_checkpointing", "bench_data_parallel")
+ASKS_ABOUT_CUDA = re.compile(r"cuda\.(is_available|device_count)")
+KEPT_CHARS = 4000  # of each GPU cell's text, and of a failing step's output
 
 
 def last_json_line(text: str) -> Optional[dict]:
@@ -53,6 +66,19 @@ def with_first_cell(nb, source: str):
     return nb
 
 
+def cell_text(cell) -> str:
+    """What a code cell printed: its streams and plain-text results, no images."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif "data" in out and "text/plain" in out["data"]:
+            parts.append(out["data"]["text/plain"])
+        elif out.get("output_type") == "error":
+            parts.append(f"{out.get('ename')}: {out.get('evalue')}")
+    return "".join(p if p.endswith("\n") else p + "\n" for p in parts)[:KEPT_CHARS]
+
+
 def run_lab(path: Path, first_cell: str = TOUCH_CUDA, timeout: float = 600.0) -> dict:
     """Run one solution notebook after ``first_cell``; outputs are never written back."""
     from .kernel import run_notebook
@@ -67,8 +93,11 @@ def run_lab(path: Path, first_cell: str = TOUCH_CUDA, timeout: float = 600.0) ->
         r = bad[0]
         where = "the CUDA cell" if r.index == 0 else f"cell {r.index - 1}"
         failure = f"{where}: {r.error}: {r.message}" if r.error else f"{where}: tagged raises-exception, raised nothing"
+    gpu_cells = [{"cell": i - 1, "text": cell_text(c)} for i, c in enumerate(nb.cells)
+                 if i > 0 and c.cell_type == "code" and ASKS_ABOUT_CUDA.search(c.source)]
     return {"lab": path.stem, "ok": not failure, "seconds": round(time.monotonic() - start, 1),
-            "graded": f"{sum(1 for r in graded if not r.error)}/{len(graded)}", "failure": failure}
+            "graded": f"{sum(1 for r in graded if not r.error)}/{len(graded)}", "failure": failure[:KEPT_CHARS],
+            "gpu_cells": gpu_cells}
 
 
 def run_script(argv: Sequence[str], timeout: float, cwd: Path) -> dict:
@@ -82,7 +111,7 @@ def run_script(argv: Sequence[str], timeout: float, cwd: Path) -> dict:
         out = out.decode() if isinstance(out, bytes) else out
     return {"command": " ".join(map(str, argv)), "ok": code == 0, "status": code,
             "seconds": round(time.monotonic() - start, 1), "summary": last_json_line(out),
-            "tail": (out + err)[-2000:]}
+            "tail": (out + err)[-KEPT_CHARS:]}
 
 
 def device_info() -> dict:
@@ -95,30 +124,59 @@ def device_info() -> dict:
 
 def gpu_pass(out: Path, root: Path = ROOT, notebooks: Optional[List[Path]] = None,
              benchmarks: Optional[List[Path]] = None, pytest_args: Sequence[str] = ("-m", "gpu", "tests"),
-             first_cell: str = TOUCH_CUDA, timeout: float = 600.0) -> dict:
+             first_cell: str = TOUCH_CUDA, timeout: float = 600.0, jobs: int = 1,
+             budget: Optional[float] = None) -> dict:
     """Run the three steps, writing ``out`` after each; returns the results."""
     root = Path(root)
+    start = time.monotonic()
     notebooks = sorted((root / "solutions").glob("*.ipynb")) if notebooks is None else notebooks
-    benchmarks = sorted((root / "benchmarks").glob("bench_*.py")) if benchmarks is None else benchmarks
-    results = {**device_info(), "pytest": None, "labs": [], "benchmarks": [], "ok": False}
+    if benchmarks is None:
+        benchmarks = [root / "benchmarks" / f"{name}.py" for name in GPU_BENCHMARKS]
+    results = {**device_info(), "benchmarks": [], "pytest": None, "labs": [], "not_run": [], "ok": False}
+
+    def in_budget(what: str) -> bool:
+        if budget is None or time.monotonic() - start < budget:
+            return True
+        results["not_run"].append(what)
+        return False
 
     def save():
-        results["ok"] = bool(results["pytest"] and results["pytest"]["ok"]
-                             and all(r["ok"] for r in results["labs"] + results["benchmarks"]))
+        steps = results["benchmarks"] + results["labs"] + ([results["pytest"]] if results["pytest"] else [])
+        results["ok"] = bool(results["pytest"] and not results["not_run"] and all(s["ok"] for s in steps))
         Path(out).write_text(json.dumps(results, indent=1) + "\n")
 
-    results["pytest"] = run_script([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                    *pytest_args], timeout * 6, root)
-    save()
-    for path in notebooks:
-        results["labs"].append(run_lab(Path(path), first_cell, timeout))
-        print(f"lab {Path(path).stem}: {'ok' if results['labs'][-1]['ok'] else 'FAILED'}", flush=True)
-        save()
     for path in benchmarks:
-        results["benchmarks"].append(run_script([sys.executable, str(path)], timeout, root))
-        print(f"benchmark {Path(path).name}: {'ok' if results['benchmarks'][-1]['ok'] else 'FAILED'}", flush=True)
+        if in_budget(Path(path).name):
+            results["benchmarks"].append(run_script([sys.executable, str(path)], timeout, root))
+            print(f"benchmark {Path(path).name}: {'ok' if results['benchmarks'][-1]['ok'] else 'FAILED'}", flush=True)
         save()
+    with ProcessPoolExecutor(max(1, jobs), mp_context=get_context("spawn")) as pool:
+        futures = {}
+        if in_budget("pytest"):
+            futures[pool.submit(run_script, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                             *pytest_args], timeout * 6, root)] = "pytest"
+        for path in notebooks:  # a lab not started within the budget is not run
+            futures[pool.submit(_lab_in_budget, Path(path), first_cell, timeout, start, budget)] = Path(path).stem
+        for done in as_completed(futures):
+            name, result = futures[done], done.result()
+            if name == "pytest":
+                results["pytest"] = result
+            elif result is None:
+                results["not_run"].append(name)
+            else:
+                results["labs"].append(result)
+                print(f"lab {name}: {'ok' if result['ok'] else 'FAILED'} ({result['seconds']} s)", flush=True)
+            save()
+    results["labs"].sort(key=lambda r: r["lab"])
+    save()
     return results
+
+
+def _lab_in_budget(path: Path, first_cell: str, timeout: float, start: float, budget: Optional[float]):
+    """``run_lab`` in a pool's process, or None when the budget ran out before it began."""
+    if budget is not None and time.monotonic() - start >= budget:
+        return None
+    return run_lab(path, first_cell, timeout)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -126,6 +184,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("gpu-results.json"))
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout (solutions/, benchmarks/, tests/)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell and per benchmark")
+    parser.add_argument("--jobs", type=int, default=4, help="labs (and the GPU tests) run at a time")
+    parser.add_argument("--budget", type=float, default=None, help="start nothing after this many seconds")
+    parser.add_argument("--benchmarks", nargs="*", default=list(GPU_BENCHMARKS), metavar="NAME",
+                        help=f"benchmarks/NAME.py to run (default: {' '.join(GPU_BENCHMARKS)})")
+    parser.add_argument("--labs", nargs="*", default=None, metavar="NN",
+                        help="only these labs (by number: 05 07); default every solution")
+    parser.add_argument("--pytest", default="-m gpu tests", metavar="ARGS",
+                        help="pytest's arguments for step 2 (default: '-m gpu tests')")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (no CUDA cell)")
     args = parser.parse_args(argv)
     import torch
@@ -133,11 +199,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("gpu_pass: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU machine, "
               "or pass --allow-cpu to try the steps on CPU", file=sys.stderr)
         return 2
+    notebooks = sorted((args.root / "solutions").glob("*.ipynb"))
+    if args.labs is not None:
+        notebooks = [p for p in notebooks if p.name[:2] in args.labs]
+    benchmarks = [args.root / "benchmarks" / f"{name}.py" for name in args.benchmarks]
     first = TOUCH_CUDA if torch.cuda.is_available() else "import torch"
-    results = gpu_pass(args.out, root=args.root, first_cell=first, timeout=args.timeout)
-    print(f"{results['device']} {results['date']}: pytest {'ok' if results['pytest']['ok'] else 'FAILED'}, "
+    results = gpu_pass(args.out, root=args.root, notebooks=notebooks, benchmarks=benchmarks, first_cell=first,
+                       pytest_args=shlex.split(args.pytest),
+                       timeout=args.timeout, jobs=args.jobs, budget=args.budget)
+    print(f"{results['device']} {results['date']}: pytest {'ok' if results['pytest'] and results['pytest']['ok'] else 'FAILED'}, "
           f"labs {sum(r['ok'] for r in results['labs'])}/{len(results['labs'])} ok, "
-          f"benchmarks {sum(r['ok'] for r in results['benchmarks'])}/{len(results['benchmarks'])} ok -> {args.out}")
+          f"benchmarks {sum(r['ok'] for r in results['benchmarks'])}/{len(results['benchmarks'])} ok, "
+          f"not run: {', '.join(results['not_run']) or 'none'} -> {args.out}")
     return 0 if results["ok"] else 1
 
 
