@@ -32,6 +32,13 @@ def requires_gpus(n: int = 1):
     return mark
 
 
+def virtual_devices(n: int):
+    """``n`` virtual devices on the CPU, also on a machine with GPUs: the unit tests of DataParallel
+    and of the balanced criterion check numbers, not GPUs (``devices(n)`` raises where 0 < GPUs < n;
+    the tests marked ``gpu`` use real ones)."""
+    return [torch.device("cpu")] * n
+
+
 def mlp(seed: int = 0) -> nn.Module:
     """A 6 -> 16 -> 4 MLP, the same weights for the same seed."""
     torch.manual_seed(seed)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import ATOL, RTOL, ModelOutput, mlp, requires_gpus
-from mgpu_lab import DataParallel, devices, gather, parallel_apply, replicate, scatter
+from conftest import ATOL, mlp, ModelOutput, requires_gpus, RTOL, virtual_devices
+from mgpu_lab import DataParallel, gather, parallel_apply, replicate, scatter
 
 def grads(model):
     return [p.grad.clone() for p in model.parameters()]
@@ -28,7 +28,7 @@ def test_forward_and_gradients_equal_plain_module(n, batch):
     ref_grads = grads(model)
     model.zero_grad()
 
-    out = DataParallel(model, device_ids=devices(n))(x)
+    out = DataParallel(model, device_ids=virtual_devices(n))(x)
     F.cross_entropy(out, y).backward()
     torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
     for g, r in zip(grads(model), ref_grads):
@@ -37,7 +37,7 @@ def test_forward_and_gradients_equal_plain_module(n, batch):
 
 def test_training_steps_match_plain_training():
     plain, par = mlp(3), mlp(3)
-    dp = DataParallel(par, device_ids=[0, 1, 2])
+    dp = DataParallel(par, device_ids=virtual_devices(3))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, par)]
     torch.manual_seed(2)
     for _ in range(4):
@@ -53,7 +53,7 @@ def test_training_steps_match_plain_training():
 @pytest.mark.parametrize("batch,n", [(7, 3), (5, 4), (2, 3), (9, 2)])
 def test_scatter_uses_torch_chunk_sizes(batch, n):
     x = torch.arange(batch * 2.0).view(batch, 2)
-    chunks = scatter(x, devices(n))
+    chunks = scatter(x, virtual_devices(n))
     expected = torch.chunk(x, n)
     assert len(chunks) == len(expected) <= n
     for c, e in zip(chunks, expected):
@@ -64,7 +64,7 @@ def test_scatter_nested_structures_and_non_tensors():
     Pair = namedtuple("Pair", "a b")
     x = torch.randn(5, 3)
     obj = (x, [x * 2, "tag"], {"k": x + 1, "flag": True}, Pair(x, 7))
-    parts = scatter(obj, devices(2))
+    parts = scatter(obj, virtual_devices(2))
     assert len(parts) == 2
     for i, part in enumerate(parts):
         ref = torch.chunk(x, 2)[i]
@@ -76,11 +76,11 @@ def test_scatter_nested_structures_and_non_tensors():
 
 def test_scatter_rejects_bad_input():
     with pytest.raises(ValueError, match="different numbers of chunks"):
-        scatter((torch.randn(5, 2), torch.randn(1, 2)), devices(3))
+        scatter((torch.randn(5, 2), torch.randn(1, 2)), virtual_devices(3))
     with pytest.raises(ValueError, match="0-dim"):
-        scatter(torch.tensor(1.0), devices(2))
+        scatter(torch.tensor(1.0), virtual_devices(2))
     with pytest.raises(ValueError, match="empty"):
-        scatter(torch.randn(0, 3), devices(2))
+        scatter(torch.randn(0, 3), virtual_devices(2))
 
 
 class DictNet(nn.Module):
@@ -108,7 +108,7 @@ def test_nested_inputs_outputs_and_kwargs(n):
     ref_grads = grads(net)
     net.zero_grad()
 
-    s, d = DataParallel(net, device_ids=devices(n))(batch, scale=0.5, bias=bias)
+    s, d = DataParallel(net, device_ids=virtual_devices(n))(batch, scale=0.5, bias=bias)
     (s.sum() + d["parts"][1].pow(2).sum()).backward()
     torch.testing.assert_close(s, s_ref, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(d["h"], d_ref["h"], rtol=RTOL, atol=ATOL)
@@ -126,14 +126,14 @@ def test_batch_smaller_than_devices_with_a_plain_keyword_argument():
     s_ref.sum().backward()
     ref_grads = grads(net)
     net.zero_grad()
-    s, d = DataParallel(net, device_ids=devices(3))(batch, scale=0.5)
+    s, d = DataParallel(net, device_ids=virtual_devices(3))(batch, scale=0.5)
     s.sum().backward()
     torch.testing.assert_close(s, s_ref, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(d["h"], d_ref["h"], rtol=RTOL, atol=ATOL)
     for g, r in zip(grads(net), ref_grads):
         torch.testing.assert_close(g, r, rtol=RTOL, atol=ATOL)
     with pytest.raises(ValueError, match="different numbers of chunks"):  # tensors still must agree
-        DataParallel(net, device_ids=devices(3))(batch, bias=torch.randn(1, 5))
+        DataParallel(net, device_ids=virtual_devices(3))(batch, bias=torch.randn(1, 5))
 
 
 def test_replicate_makes_connected_separate_replicas_with_tied_weights():
@@ -142,7 +142,7 @@ def test_replicate_makes_connected_separate_replicas_with_tied_weights():
     head = nn.Linear(4, 10, bias=False)
     head.weight = emb.weight  # tied
     model = nn.Sequential(emb, nn.BatchNorm1d(4), head).eval()  # replicas copy the mode
-    reps = replicate(model, devices(3))
+    reps = replicate(model, virtual_devices(3))
     assert len({id(r) for r in reps} | {id(model)}) == 4
     for r in reps:
         assert r[0].weight is r[2].weight  # still tied inside a replica
@@ -165,7 +165,7 @@ def test_batchnorm_keeps_replica_0_statistics_as_torch_does():
     torch.manual_seed(0)
     dp_bn, ref_bn = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
     x = torch.randn(7, 3) * 2 + 1
-    out = DataParallel(dp_bn, device_ids=devices(2))(x)
+    out = DataParallel(dp_bn, device_ids=virtual_devices(2))(x)
     chunks = torch.chunk(x, 2)
     torch.testing.assert_close(out, torch.cat([nn.BatchNorm1d(3)(c) for c in chunks]), rtol=RTOL, atol=ATOL)
     ref_bn(chunks[0])
@@ -176,7 +176,7 @@ def test_batchnorm_keeps_replica_0_statistics_as_torch_does():
 def test_replicate_under_no_grad_is_detached():
     model = mlp()
     with torch.no_grad():
-        reps = replicate(model, devices(2))
+        reps = replicate(model, virtual_devices(2))
     assert all(not p.requires_grad for r in reps for p in r.parameters())
 
 
@@ -200,7 +200,7 @@ def test_autocast_bf16_and_grad_mode_reach_worker_threads():
     x = torch.randn(6, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = probe.lin(x)
-        out = DataParallel(probe, device_ids=devices(3))(x)
+        out = DataParallel(probe, device_ids=virtual_devices(3))(x)
     assert out.dtype == torch.bfloat16 == ref.dtype
     torch.testing.assert_close(out, ref)
     assert sorted(t for t, *_ in probe.seen) == ["replica-0", "replica-1", "replica-2"]
@@ -208,10 +208,10 @@ def test_autocast_bf16_and_grad_mode_reach_worker_threads():
 
     probe.seen.clear()
     with torch.no_grad():
-        out = DataParallel(probe, device_ids=devices(2))(x)
+        out = DataParallel(probe, device_ids=virtual_devices(2))(x)
     assert not out.requires_grad and all(grad is False for _, grad, _, _ in probe.seen)
     probe.seen.clear()
-    DataParallel(probe, device_ids=devices(2))(x)
+    DataParallel(probe, device_ids=virtual_devices(2))(x)
     assert all(grad is True and on is False for _, grad, on, _ in probe.seen)
 
 
@@ -226,7 +226,7 @@ def test_worker_exception_is_reraised_naming_its_device():
     x = torch.zeros(4, 2)
     x[2, 0] = 1000.0  # lands in chunk 1
     with pytest.raises(KeyError, match=r"replica 1 on device cpu \(virtual device 1\)") as info:
-        DataParallel(FailOn(), device_ids=devices(2))(x)
+        DataParallel(FailOn(), device_ids=virtual_devices(2))(x)
     assert "bad sample" in str(info.value)
 
 
@@ -275,7 +275,7 @@ def test_gather_is_differentiable_and_nested():
 def test_one_device_calls_the_module_directly_and_state_dict_matches_torch():
     probe = Probe()
     x = torch.randn(3, 4)
-    out = DataParallel(probe, device_ids=devices(1))(x)
+    out = DataParallel(probe, device_ids=virtual_devices(1))(x)
     assert probe.seen[0][0] == threading.current_thread().name
     torch.testing.assert_close(out, probe.lin(x))
     ours = DataParallel(probe).state_dict().keys()

@@ -150,6 +150,27 @@ def test_rank_device_is_this_ranks_gpu_under_nccl():
     assert launch(lambda: str(rank_device()), nprocs=2) == ["cuda:0", "cuda:1"]
 
 
+def _sum_on_cpu_and_gpu():
+    from mgpu_lab import rank_device
+
+    cpu, gpu = torch.ones(2), torch.ones(2, device=rank_device())
+    dist.all_reduce(cpu)  # gloo: NCCL alone refuses a CPU tensor
+    dist.all_reduce(gpu)
+    return dist.get_backend(), str(rank_device()), cpu.tolist(), gpu.cpu().tolist()
+
+
+@requires_gpus(1)
+def test_an_nccl_group_carries_cpu_tensors_too():
+    # One rank on one GPU gets NCCL (lab 15's 1-rank check and ZeRO's single-rank test keep tensors on the CPU)
+    assert launch(_sum_on_cpu_and_gpu, nprocs=1) == [("cpu:gloo,cuda:nccl", "cuda:0", [1.0, 1.0], [1.0, 1.0])]
+
+
+def test_an_nccl_backend_is_given_to_torch_with_gloo_for_cpu_tensors():
+    from mgpu_lab.runtime.devices import process_group_backend
+
+    assert [process_group_backend(b) for b in ("nccl", "gloo", "mpi")] == ["cpu:gloo,cuda:nccl", "gloo", "mpi"]
+
+
 def test_cleanup_exit_flushes_and_ends_the_process_at_once():
     import subprocess
     import sys

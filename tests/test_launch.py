@@ -1,6 +1,7 @@
 """launch(): values, output order, crashes, hangs, no orphans, bad input."""
 import inspect
 import os
+import threading
 import time
 
 import psutil
@@ -117,7 +118,7 @@ def test_no_process_is_left_after_a_crash(tmp_path):
 
 def test_an_unpicklable_return_value_is_an_error():
     with pytest.raises(LaunchError, match="pickle"):
-        launch(lambda: (lambda: None), nprocs=2)
+        launch(lambda: threading.Lock(), nprocs=2)  # neither pickle nor cloudpickle (a lambda would be)
 
 
 @pytest.mark.parametrize("nprocs", [0, -1, 1.5, "2"])

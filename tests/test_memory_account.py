@@ -11,7 +11,7 @@ from torch import nn
 from mgpu_lab import DataParallel, DataParallelCriterion, DataParallelModel, devices
 from mgpu_lab.measure.memory_account import account_memory, plot_memory
 from mgpu_lab.measure import memory_account as acct_mod
-from conftest import ModelOutput, requires_gpus
+from conftest import ModelOutput, requires_gpus, virtual_devices
 
 B, D, V = 10, 8, 2048  # batch, features, classes; fp32
 F32 = 4
@@ -21,7 +21,7 @@ def setup(n=2):
     torch.manual_seed(0)
     model = nn.Linear(D, V)
     x, y = torch.randn(B, D), torch.randint(0, V, (B,))
-    return model, x, y, devices(n)
+    return model, x, y, virtual_devices(n)
 
 
 def dp_step(model, x, y, devs):

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mgpu_lab import DataParallelCriterion, DataParallelModel, devices, gather
-from conftest import requires_gpus
+from mgpu_lab import DataParallelCriterion, DataParallelModel, gather
+from conftest import requires_gpus, virtual_devices
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -37,7 +37,7 @@ def test_loss_and_gradients_equal_full_batch(kind, batch, n):
     ref_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
-    devs = devices(n)
+    devs = virtual_devices(n)
     outputs = DataParallelModel(model, device_ids=devs)(x)
     assert isinstance(outputs, list) and len(outputs) == len(torch.chunk(x, n))
     loss = DataParallelCriterion(CRITERIA[kind](), device_ids=devs)(outputs, y)
@@ -53,20 +53,20 @@ def test_mean_of_per_device_means_is_wrong_with_uneven_chunks(kind):
     """The PyTorch-Encoding version (plain mean over devices) misses the full-batch loss; ours does not."""
     model = mlp()
     x, y = data(5, kind)  # chunks of 3 and 2
-    outputs = DataParallelModel(model, device_ids=devices(2))(x)
+    outputs = DataParallelModel(model, device_ids=virtual_devices(2))(x)
     crit = CRITERIA[kind]()
     per_device = [crit(o, t) for o, t in zip(outputs, torch.chunk(y, 2))]
     naive = torch.stack(per_device).mean()
     full = crit(model(x), y)
     assert not torch.allclose(naive, full, rtol=1e-3)
-    torch.testing.assert_close(DataParallelCriterion(crit, devices(2))(outputs, y), full, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(DataParallelCriterion(crit, virtual_devices(2))(outputs, y), full, rtol=RTOL, atol=ATOL)
 
 
 def test_sum_reduction_sums_the_per_device_sums():
     model = mlp()
     x, y = data(7, "mse")
-    outputs = DataParallelModel(model, device_ids=devices(3))(x)
-    loss = DataParallelCriterion(nn.MSELoss(reduction="sum"), devices(3))(outputs, y)
+    outputs = DataParallelModel(model, device_ids=virtual_devices(3))(x)
+    loss = DataParallelCriterion(nn.MSELoss(reduction="sum"), virtual_devices(3))(outputs, y)
     torch.testing.assert_close(loss, F.mse_loss(model(x), y, reduction="sum"), rtol=RTOL, atol=ATOL)
 
 
@@ -93,9 +93,9 @@ def test_tuple_outputs_are_unpacked_into_the_criterion():
     ref.backward()
     ref_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    outputs = DataParallelModel(model, device_ids=devices(3))(x)
+    outputs = DataParallelModel(model, device_ids=virtual_devices(3))(x)
     assert all(isinstance(o, tuple) and len(o) == 2 for o in outputs)
-    loss = DataParallelCriterion(TwoHeadLoss(), devices(3))(outputs, y, s)
+    loss = DataParallelCriterion(TwoHeadLoss(), virtual_devices(3))(outputs, y, s)
     torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
     loss.backward()
     for p, r in zip(model.parameters(), ref_grads):
@@ -119,8 +119,8 @@ def test_autocast_reaches_the_criterion_threads():
     model, probe = mlp(), ProbeLoss()
     x, y = data(6, "ce")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        outputs = DataParallelModel(model, device_ids=devices(2))(x)
-        loss = DataParallelCriterion(probe, devices(2))(outputs, y)
+        outputs = DataParallelModel(model, device_ids=virtual_devices(2))(x)
+        loss = DataParallelCriterion(probe, virtual_devices(2))(outputs, y)
         ref = F.cross_entropy(model(x), y)
     assert all(o.dtype == torch.bfloat16 for o in outputs)
     assert sorted(probe.seen) == [("replica-0", True), ("replica-1", True)]
@@ -130,24 +130,24 @@ def test_autocast_reaches_the_criterion_threads():
 def test_one_device_returns_a_one_element_list():
     model = mlp()
     x, y = data(5, "ce")
-    outputs = DataParallelModel(model, device_ids=devices(1))(x)
+    outputs = DataParallelModel(model, device_ids=virtual_devices(1))(x)
     assert len(outputs) == 1
-    loss = DataParallelCriterion(nn.CrossEntropyLoss(), devices(1))(outputs, y)
+    loss = DataParallelCriterion(nn.CrossEntropyLoss(), virtual_devices(1))(outputs, y)
     torch.testing.assert_close(loss, F.cross_entropy(model(x), y))
 
 
 def test_bad_input_is_a_clear_error():
     model = mlp()
     x, y = data(6, "ce")
-    outputs = DataParallelModel(model, device_ids=devices(3))(x)
+    outputs = DataParallelModel(model, device_ids=virtual_devices(3))(x)
     with pytest.raises(ValueError, match="scalar per device"):
-        DataParallelCriterion(nn.CrossEntropyLoss(reduction="none"), devices(3))(outputs, y)
+        DataParallelCriterion(nn.CrossEntropyLoss(reduction="none"), virtual_devices(3))(outputs, y)
     with pytest.raises(ValueError, match="targets split into 2 chunks"):
-        DataParallelCriterion(nn.CrossEntropyLoss(), devices(3))(outputs, y[:2])
+        DataParallelCriterion(nn.CrossEntropyLoss(), virtual_devices(3))(outputs, y[:2])
     with pytest.raises(TypeError, match="per-device outputs"):
-        DataParallelCriterion(nn.CrossEntropyLoss(), devices(3))(model(x), y)
+        DataParallelCriterion(nn.CrossEntropyLoss(), virtual_devices(3))(model(x), y)
     with pytest.raises(ValueError, match="only 2 device_ids"):
-        DataParallelCriterion(nn.CrossEntropyLoss(), devices(2))(outputs, y)
+        DataParallelCriterion(nn.CrossEntropyLoss(), virtual_devices(2))(outputs, y)
 
 
 @requires_gpus(1)
@@ -179,8 +179,8 @@ def test_cross_entropy_with_padding_and_class_weights_is_exact(weighted, smoothi
     ref.backward()
     ref_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    outputs = DataParallelModel(model, device_ids=devices(3))(x)
-    loss = DataParallelCriterion(crit, devices(3))(outputs, y)
+    outputs = DataParallelModel(model, device_ids=virtual_devices(3))(x)
+    loss = DataParallelCriterion(crit, virtual_devices(3))(outputs, y)
     torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
     loss.backward()
     for p, r in zip(model.parameters(), ref_grads):

@@ -398,6 +398,7 @@ def test_zero_redundancy_optimizers_step_with_closure_and_documented_call():
 # --------------------------------------------------------------------------- FSDP2's keywords
 
 def _fsdp_keywords():
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     rank = dist.get_rank()
     pg = dist.new_group([0, 1])
@@ -412,9 +413,11 @@ def _fsdp_keywords():
             res["group"] = model.process_group is pg
         else:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            # fully_shard's default mesh is on CUDA wherever CUDA is available; these ranks are on the CPU
+            mesh = init_device_mesh("cpu", (2,))
             for layer in (net[0], net[2]):
-                fully_shard(layer, mp_policy=policy)
-            model = fully_shard(net, mp_policy=policy)
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            model = fully_shard(net, mesh=mesh, mp_policy=policy)
         out = model(x)
         out.float().sum().backward()
         res[name] = out.detach().float()

@@ -11,11 +11,14 @@ For the last two, ``fn`` and ``args`` travel as cloudpickle bytes (by value).
 """
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
+import io
 import multiprocessing as mp
 import os
 import socket
 import sys
+import types
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -80,11 +83,11 @@ def serialize_job(fn: Callable, args: Sequence[Any]) -> bytes:
     for module in by_value:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps((fn, tuple(args)))
+        return _dumps((fn, tuple(args)))
     except Exception:  # pickling errors come in several types: find the culprit
         for label, obj in [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]:
             try:
-                cloudpickle.dumps(obj)
+                _dumps(obj)
             except Exception as exc:
                 raise ValueError(
                     f"launch() starts fresh processes here and sends them fn and args by value, but {label} "
@@ -95,6 +98,28 @@ def serialize_job(fn: Callable, args: Sequence[Any]) -> bytes:
     finally:
         for module in by_value:
             cloudpickle.unregister_pickle_by_value(module)
+
+
+def _dumps(obj) -> bytes:
+    """cloudpickle, knowing torch's operator namespaces (``torch.ops``).
+
+    A function that uses ``torch.ops.aten.mm`` makes cloudpickle send the submodules it
+    names, ``torch.ops`` among them; that object is a module of torch's own type, which
+    cloudpickle cannot pickle. Any module object that ``sys.modules`` holds under its
+    name travels by name instead, as plain modules do.
+    """
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        def reducer_override(self, obj):
+            if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                    and sys.modules.get(obj.__name__) is obj):
+                return importlib.import_module, (obj.__name__,)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    Pickler(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def _modules_to_send_by_value(fn: Callable) -> List[Any]:

@@ -29,6 +29,8 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
+from .devices import process_group_backend
+
 STACK_DUMP_SIGNAL = signal.SIGUSR1  # on a timeout, each hung rank prints its Python stacks
 INITIALISED_KEY = "mgpu_lab/initialised"  # in the launch's store: how many ranks finished init_process_group
 
@@ -66,7 +68,7 @@ def run_rank(job, rank, world_size, port_in, backend, timeout, workdir, environ)
             torch.set_num_threads(1)  # see "one thread per CPU rank" in launch's docstring
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(process_group_backend(backend), store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         store.add(INITIALISED_KEY, 1)
         value = fn(*args)

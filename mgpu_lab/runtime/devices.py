@@ -104,6 +104,17 @@ def backend(processes_per_node: int = 1) -> str:
     return "nccl" if nccl_available() and processes_per_node <= gpu_count() else "gloo"
 
 
+def process_group_backend(name: str) -> str:
+    """What ``init_process_group`` gets for a backend name: an NCCL group carries CPU tensors too.
+
+    ``"cpu:gloo,cuda:nccl"`` for ``"nccl"`` (torch's own default group where CUDA is available):
+    CUDA tensors go through NCCL, CPU tensors through gloo, so code that keeps a flag, a count or
+    a small example on the CPU runs unchanged on GPUs (NCCL alone refuses CPU tensors).
+    ``dist.get_backend()`` then names both: ask ``rank_device()`` for the device to use.
+    """
+    return "cpu:gloo,cuda:nccl" if name == "nccl" else name
+
+
 def check_backend(name: str) -> str:
     """Validate a backend name for this machine, with advice when it cannot work."""
     name = name.lower()
