@@ -54,3 +54,28 @@ def test_refuses_without_a_gpu_unless_allowed(capsys):
         pytest.skip("a GPU is here")
     assert gpu_pass.main(["--out", "/dev/null"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_text_of_cells_that_ask_about_cuda_is_kept(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("import torch\nprint('a figure:', torch.cuda.is_available())"),
+        nbformat.v4.new_code_cell("print('not a GPU cell')")])
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "00_toy.ipynb")
+    result = gpu_pass.run_lab(tmp_path / "00_toy.ipynb", first_cell="import torch", timeout=120)
+    assert result["ok"] and result["gpu_cells"] == [{"cell": 0, "text": f"a figure: {torch_cuda()}\n"}]
+
+
+def torch_cuda():
+    import torch
+    return torch.cuda.is_available()
+
+
+def test_a_budget_spent_runs_nothing_more_and_says_so(tmp_path):
+    notebooks, benchmarks, pytest_args = _toys(tmp_path)
+    out = tmp_path / "results.json"
+    gpu_pass.gpu_pass(out, root=tmp_path, notebooks=notebooks, benchmarks=benchmarks, pytest_args=pytest_args,
+                      first_cell="FIRST = 'ran'", timeout=120, jobs=2, budget=0)
+    results = json.loads(out.read_text())
+    assert sorted(results["not_run"]) == ["00_toy", "bench_toy.py", "pytest"]
+    assert results["labs"] == results["benchmarks"] == [] and not results["ok"]
