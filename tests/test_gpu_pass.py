@@ -35,8 +35,8 @@ def _toys(tmp_path, lab_ok=True, bench_ok=True):
 def test_one_results_file_with_tests_labs_and_benchmarks(tmp_path, lab_ok, bench_ok):
     notebooks, benchmarks, pytest_args = _toys(tmp_path, lab_ok, bench_ok)
     out = tmp_path / "results.json"
-    gpu_pass.gpu_pass(out, root=tmp_path, notebooks=notebooks, benchmarks=benchmarks,
-                      pytest_args=pytest_args, first_cell="FIRST = 'ran'", timeout=120)
+    gpu_pass.gpu_pass(out, root=tmp_path, notebooks=notebooks, benchmarks=benchmarks, pytest_args=pytest_args,
+                      first_cell="FIRST = 'ran'", timeout=120, jobs=2 if lab_ok and bench_ok else 1)  # both ways
     results = json.loads(out.read_text())
     assert {"device", "date", "torch", "pytest", "labs", "benchmarks", "ok"} <= set(results)
     assert results["pytest"]["ok"], results["pytest"]["tail"]
@@ -75,7 +75,7 @@ def test_a_budget_spent_runs_nothing_more_and_says_so(tmp_path):
     notebooks, benchmarks, pytest_args = _toys(tmp_path)
     out = tmp_path / "results.json"
     gpu_pass.gpu_pass(out, root=tmp_path, notebooks=notebooks, benchmarks=benchmarks, pytest_args=pytest_args,
-                      first_cell="FIRST = 'ran'", timeout=120, jobs=2, budget=0)
+                      first_cell="FIRST = 'ran'", timeout=120, budget=0)
     results = json.loads(out.read_text())
     assert sorted(results["not_run"]) == ["00_toy", "bench_toy.py", "pytest"]
     assert results["labs"] == results["benchmarks"] == [] and not results["ok"]

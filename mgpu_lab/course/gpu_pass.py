@@ -156,23 +156,31 @@ def gpu_pass(out: Path, root: Path = ROOT, notebooks: Optional[List[Path]] = Non
             results["benchmarks"].append(run_script([sys.executable, str(path)], timeout, root))
             print(f"benchmark {Path(path).name}: {'ok' if results['benchmarks'][-1]['ok'] else 'FAILED'}", flush=True)
         save()
-    with ProcessPoolExecutor(max(1, jobs), mp_context=get_context("spawn")) as pool:
-        futures = {}
-        if in_budget("pytest"):
-            futures[pool.submit(run_script, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                             *pytest_args], timeout * 6, root)] = "pytest"
-        for path in notebooks:  # a lab not started within the budget is not run
-            futures[pool.submit(_lab_in_budget, Path(path), first_cell, timeout, start, budget)] = Path(path).stem
-        for done in as_completed(futures):
-            name, result = futures[done], done.result()
-            if name == "pytest":
-                results["pytest"] = result
-            elif result is None:
-                results["not_run"].append(name)
-            else:
-                results["labs"].append(result)
-                print(f"lab {name}: {'ok' if result['ok'] else 'FAILED'} ({result['seconds']} s)", flush=True)
-            save()
+    tasks = {}  # name -> (function, arguments): the GPU tests, then each lab
+    if in_budget("pytest"):
+        tasks["pytest"] = (run_script, ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                         *pytest_args], timeout * 6, root))
+    for path in notebooks:  # a lab not started within the budget is not run
+        tasks[Path(path).stem] = (_lab_in_budget, (Path(path), first_cell, timeout, start, budget))
+
+    def record(name, result):
+        if name == "pytest":
+            results["pytest"] = result
+        elif result is None:
+            results["not_run"].append(name)
+        else:
+            results["labs"].append(result)
+            print(f"lab {name}: {'ok' if result['ok'] else 'FAILED'} ({result['seconds']} s)", flush=True)
+        save()
+
+    if jobs <= 1:
+        for name, (fn, args) in tasks.items():
+            record(name, fn(*args))
+    else:
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(fn, *args): name for name, (fn, args) in tasks.items()}
+            for done in as_completed(futures):
+                record(futures[done], done.result())
     results["labs"].sort(key=lambda r: r["lab"])
     save()
     return results
