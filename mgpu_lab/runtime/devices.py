@@ -105,12 +105,14 @@ def backend(processes_per_node: int = 1) -> str:
 
 
 def process_group_backend(name: str) -> str:
-    """What ``init_process_group`` gets for a backend name: an NCCL group carries CPU tensors too.
+    """What ``launch()``'s ranks give ``init_process_group``: an NCCL group carries CPU tensors too.
 
     ``"cpu:gloo,cuda:nccl"`` for ``"nccl"`` (torch's own default group where CUDA is available):
-    CUDA tensors go through NCCL, CPU tensors through gloo, so code that keeps a flag, a count or
-    a small example on the CPU runs unchanged on GPUs (NCCL alone refuses CPU tensors).
+    CUDA tensors go through NCCL, CPU tensors through gloo, so a cell that keeps a flag, a count
+    or a small example on the CPU runs unchanged on GPUs (NCCL alone refuses CPU tensors).
     ``dist.get_backend()`` then names both: ask ``rank_device()`` for the device to use.
+    ``init_distributed()`` (torchrun, several machines) keeps plain NCCL: gloo would need its
+    own connections between the machines, one more thing to fail.
     """
     return "cpu:gloo,cuda:nccl" if name == "nccl" else name
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .devices import backend as default_backend
-from .devices import check_backend, gpu_count, process_group_backend
+from .devices import check_backend, gpu_count
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -166,8 +166,7 @@ def init_distributed(backend: Optional[str] = None, timeout: timedelta = DEFAULT
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     store = _restart_safe_store(env, timeout)
-    dist.init_process_group(process_group_backend(name), rank=env.rank, world_size=env.world_size, timeout=timeout,
-                            store=store)
+    dist.init_process_group(name, rank=env.rank, world_size=env.world_size, timeout=timeout, store=store)
     return env
 
 
