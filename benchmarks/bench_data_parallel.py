@@ -12,7 +12,8 @@ Two tables, measured side by side in one run:
    positions x 32000 logits from a Linear(64 -> 32000): DataParallel (logits gathered
    on device 0, loss there) against DataParallelModel + DataParallelCriterion
    (loss where the logits are). Measured with ``torch.cuda.max_memory_allocated``
-   on GPUs, accounted on virtual devices (see ``mgpu_lab.measure.memory_account``).
+   on 2 GPUs or more, accounted on 2 virtual CPU devices elsewhere (one GPU has no other
+   device to compare with; see ``mgpu_lab.measure.memory_account``).
 
 Options: --repeats N (median over N timed steps, default 20), --batch B (default 256).
 """
@@ -89,7 +90,8 @@ def main():
         steps.add(name, ms, ms / base)
     steps.print()
 
-    a, b = memory(devs[:2] if len(devs) >= 2 else devs)
+    # one GPU has no "others" to compare device 0 with: then 2 virtual CPU devices, accounted
+    a, b = memory(devs[:2] if len(devs) >= 2 else [torch.device("cpu")] * 2)
     mem = Table(f"2. Bytes per device, logits 8 x 64 x 32000 from Linear(64 -> 32000), fp32 ({a.method})",
                 {"device": "", "DataParallel MiB": ".2f", "DPModel+DPCriterion MiB": ".2f"})
     for i, name in enumerate(a.devices):
