@@ -141,7 +141,7 @@ def gpu_pass(out: Path, root: Path = ROOT, notebooks: Optional[List[Path]] = Non
     results = {**device_info(), "benchmarks": [], "pytest": None, "labs": [], "not_run": [], "ok": False}
 
     def in_budget(what: str) -> bool:
-        if budget is None or time.monotonic() - start < budget:
+        if _within(start, budget):
             return True
         results["not_run"].append(what)
         return False
@@ -186,11 +186,14 @@ def gpu_pass(out: Path, root: Path = ROOT, notebooks: Optional[List[Path]] = Non
     return results
 
 
+def _within(start: float, budget: Optional[float]) -> bool:
+    """Whether a step may still begin: no budget, or fewer than ``budget`` seconds since ``start``."""
+    return budget is None or time.monotonic() - start < budget
+
+
 def _lab_in_budget(path: Path, first_cell: str, timeout: float, start: float, budget: Optional[float]):
     """``run_lab`` in a pool's process, or None when the budget ran out before it began."""
-    if budget is not None and time.monotonic() - start >= budget:
-        return None
-    return run_lab(path, first_cell, timeout)
+    return run_lab(path, first_cell, timeout) if _within(start, budget) else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
