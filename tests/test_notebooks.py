@@ -260,3 +260,27 @@ def test_every_reimplemented_reference_names_an_object():
                 if "." in name and not _resolves(name):
                     missing.append(f"{path.stem}: {name}")
     assert not missing, missing
+
+
+PLOTTING = {"matplotlib", "ipywidgets", "tqdm"}
+
+
+def test_cells_the_grader_runs_import_no_plotting_or_widget_library():
+    """Matplotlib, ipywidgets and tqdm belong in demo cells: every graded notebook's kernel
+    (and each lab's judge, which runs the setup cells) would import them for nothing
+    (about 0.6 s of CPU per notebook; docs/AUTHORING.md)."""
+    import ast
+    from mgpu_lab.course.cells import DEMO_TAG, tags
+    found = []
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type != "code" or DEMO_TAG in tags(cell):
+                continue
+            lines = cell.source.split("\n")
+            found += [f"{path.name} cell {index}: {line}" for line in lines if line.startswith("%matplotlib")]
+            tree = ast.parse("\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in lines))
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{path.name} cell {index}: imports {n}" for n in names if n.split(".")[0] in PLOTTING]
+    assert not found, "\n".join(found)
