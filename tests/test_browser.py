@@ -29,6 +29,7 @@ import uuid
 import nbformat
 import pytest
 
+from mgpu_lab.course.cells import SETUP_TAG, tags
 from conftest import ROOT
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -87,7 +88,7 @@ def lab_server(tmp_path_factory):
     ring = nbformat.read(ROOT / "solutions" / "04_ring_allreduce_and_ddp.ipynb", as_version=4)
     wanted = ("import ipywidgets", "states = simulate_ring_allreduce", "ring_widget = widgets.interactive")
     nbformat.write(_notebook([c.source for c in ring.cells if c.cell_type == "code"
-                              and ("setup" in c.metadata.get("tags", []) or any(w in c.source for w in wanted))]),
+                              and (SETUP_TAG in tags(c) or any(w in c.source for w in wanted))]),
                    root / "scratch_ring_widget.ipynb")
     nbformat.write(_notebook(['''
         import time
