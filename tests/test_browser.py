@@ -226,28 +226,45 @@ def run_all(page):
     raise AssertionError("Run > Run All Cells started no cell in 50 s")
 
 
+def prompts(page):
+    """The code cells' input prompts as the UI shows them: "[3]:", "[*]:" (running or queued), "[ ]:"."""
+    return [t.strip() for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()]
+
+
 def test_lab_00_runs_top_to_bottom_through_the_ui(page, lab_server):
     name = "00_setup_solved.ipynb"
     open_notebook(page, lab_server, name)
     run_all(page)
     path = lab_server[2] / name
-    deadline = time.monotonic() + 120
-    while True:
+    deadline, stopped = time.monotonic() + 120, 0
+    while True:        # the UI's prompts until every cell has run and the kernel is idle
         time.sleep(2)
         handle_dialogs(page, "while lab 00 runs")
-        page.keyboard.press("Control+s")  # save, then read what the UI ran from disk
-        time.sleep(0.5)
-        nb = nbformat.read(path, as_version=4)
-        code = [c for c in nb.cells if c.cell_type == "code"]
-        errors = [o for c in code for o in c.outputs if o.output_type == "error"]
-        assert not errors, f"a cell raised: {errors[0]['ename']}: {errors[0]['evalue']}"
-        if all(c.execution_count for c in code) and \
-                page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count():
+        shown = prompts(page)
+        idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+        if shown and all(re.fullmatch(r"\[\d+\]:", p) for p in shown) and idle:
             break
-        assert time.monotonic() < deadline, \
-            f"{sum(1 for c in code if not c.execution_count)} of {len(code)} code cells not run after 120 s"
+        stopped = stopped + 1 if idle and "[*]:" not in shown else 0   # Run All ended early
+        if stopped >= 2 or time.monotonic() > deadline:
+            page.screenshot(path=str(ARTIFACTS / "lab00_not_run.png"), full_page=True)
+            page.keyboard.press("Control+s")
+            time.sleep(1)
+            raised = [f"{o['ename']}: {o['evalue']}" for c in nbformat.read(path, as_version=4).cells
+                      for o in c.get("outputs", []) if o.output_type == "error"]
+            pytest.fail(f"not every cell ran ({'the kernel idle' if stopped else 'after 120 s'}): "
+                        f"prompts {shown}, errors saved {raised[:1]} "
+                        f"(screenshot {ARTIFACTS / 'lab00_not_run.png'})")
+    for _ in range(10):  # save, then read what the UI ran from disk
+        page.keyboard.press("Control+s")
+        time.sleep(1)
+        code = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+        if all(c.execution_count for c in code):
+            break
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"a cell raised: {errors[0]['ename']}: {errors[0]['evalue']}"
     page.screenshot(path=str(ARTIFACTS / "lab00_run_all.png"), full_page=True)
     counts = [c.execution_count for c in code]
+    assert all(counts), f"the saved notebook lacks execution counts: {counts}"
     assert counts == sorted(counts) and len(set(counts)) == len(counts), f"not top to bottom: {counts}"
 
 

@@ -72,3 +72,20 @@ def test_kept_alive_waits_for_a_thread_that_lets_go_and_reports_what_stays():
     assert watch.kept(min_bytes=400) == [((100,), 400)]      # `held` only
     releaser.join()
     del held
+
+
+def test_measuring_leaves_torchs_compiler_unimported():
+    """A fresh process (a forked rank) that measures pays no import of torch._dynamo (a second
+    of CPU each): torch's Dynamo wrapper of a dispatch mode is switched off (measuring_mode.py)."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "from mgpu_lab.measure.dispatch_watch import CollectiveLog, KeptAlive\n"
+            "from mgpu_lab.measure.kept_alive import kept_alive\n"
+            "x = torch.ones(4, requires_grad=True)\n"
+            "with CollectiveLog(compute=True) as log, KeptAlive() as kept:\n"
+            "    (x * 2).sum().backward()\n"
+            "report = kept_alive(lambda t: t.exp() * 3, x)\n"
+            "assert report.ops and 'torch._dynamo' not in sys.modules, sorted(m for m in sys.modules if 'dynamo' in m)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

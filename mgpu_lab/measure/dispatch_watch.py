@@ -35,10 +35,10 @@ import time
 from typing import List, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .kept_alive import Recorder
+from .measuring_mode import MeasuringMode
 
 KINDS = {
     "_allgather_base_": "all-gather", "allgather_": "all-gather", "allgather_coalesced_": "all-gather",
@@ -56,7 +56,7 @@ COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 COMPUTE = ("mm", "addmm", "bmm", "baddbmm")
 
 
-class CollectiveLog(TorchDispatchMode):
+class CollectiveLog(MeasuringMode):
     """Records the collectives run while active: ``events`` is a list of ``(kind, dtype, numel)``
     (and ``("compute",)`` for each matrix product when ``compute=True``)."""
 

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from .measuring_mode import MeasuringMode
 
 __all__ = ["KeptAlive", "kept_alive"]
 
@@ -67,7 +68,7 @@ def _storage(t: torch.Tensor):
     return (str(s.device), s.data_ptr()), s
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(MeasuringMode):
     """Weak references to the storage of every tensor an operator makes or reads."""
 
     def __init__(self):
