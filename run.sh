@@ -51,7 +51,7 @@ setup() {
       *" -"*)   # options (an index) for torch alone: torch first, then the rest from PyPI
         "$PY" -m pip install --quiet $TORCH_SPEC
         "$PY" -m pip install --quiet -e ".[$extras]" ;;
-      *)        # one resolution: 10 s sooner than two on CI's set-up of about 75 s
+      *)        # one resolution, not two: 64-73 s of set-up here against 75 s
         "$PY" -m pip install --quiet $TORCH_SPEC -e ".[$extras]" ;;
     esac
     echo "$want" > "$stamp"
