@@ -13,6 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+# DDP, FSDP and DTensor import torch's compiler stack (torch._dynamo) on first use: about a second of CPU
+# in each process. Imported once here, in each test process: every rank that launch() forks inherits it.
+import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 from torch import nn
 
