@@ -642,22 +642,38 @@ def test_h1_one_notebooks_failure_of_any_kind_costs_that_notebook_only(tmp_path,
     assert (out / "ann" / "toy.md").exists() and (out / "cy" / "toy.md").exists()
 
 
-def test_h6_the_static_pass_is_linear_a_chain_of_5000_aliases_well_under_a_second():
+def test_h6_the_static_pass_is_linear_a_chain_4x_longer_costs_under_10x():
     """A chain of helpers, each calling the next, the last an alias of the reference,
-    defined in the order that made the old fixed point quadratic (N = 300: 32 s)."""
+    defined in the order that made the old fixed point quadratic (N = 300: 32 s). The cost
+    is compared between two lengths in one process (linear: 4x, quadratic: 16x), not
+    against a clock, which a loaded machine stretches (5000 aliases: 0.76 s idle, 1.04 s
+    beside the suite); each length's best of three runs."""
+    import gc
     import time
     from mgpu_lab.course.cells import parse
     from mgpu_lab.course.grader import static_pass
-    n = 5000
-    chain = ("import operator\n" + "".join(f"def a{i}(x, y):\n    return a{i + 1}(x, y)\n"
-                                            for i in range(n)) + f"a{n} = operator.add\n")
-    nb = toy(first=chain, add="def add(a, b):\n    return a0(a, b)")
-    parse(chain)                                   # Python's own parser: not ours to time
-    cpu = time.process_time()
-    tampered, static = static_pass(nb, nbformat.read(TOY, as_version=4))
-    cpu = time.process_time() - cpu
-    assert static == {"add_test": ["operator.add"]}       # found through all 5000
-    assert cpu < 1.0, f"{cpu:.2f} s of CPU for {n} aliases"
+    solution = nbformat.read(TOY, as_version=4)
+
+    def cpu_for(n):
+        chain = ("import operator\n" + "".join(f"def a{i}(x, y):\n    return a{i + 1}(x, y)\n"
+                                                for i in range(n)) + f"a{n} = operator.add\n")
+        nb = toy(first=chain, add="def add(a, b):\n    return a0(a, b)")
+        parse(chain)                                   # Python's own parser: not ours to time
+        best = float("inf")
+        for _ in range(3):
+            gc.collect()
+            gc.disable()                               # a collection lands in one run or another
+            try:
+                cpu = time.process_time()
+                tampered, static = static_pass(nb, solution)
+                best = min(best, time.process_time() - cpu)
+            finally:
+                gc.enable()
+            assert static == {"add_test": ["operator.add"]}   # found through all n
+        return best
+
+    short, long = cpu_for(1000), cpu_for(4000)
+    assert long < 10 * short, f"{long:.2f} s of CPU for 4000 aliases, {short:.2f} s for 1000"
 
 
 def test_h1_a_submission_the_static_pass_cannot_read_costs_that_notebook_only(tmp_path,
