@@ -24,6 +24,7 @@ SUITE = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile", "--no-
          "--nbval-sanitize-with", "solutions/sanitize.cfg", "-q", "-p", "no:cacheprovider"]
 # (kind, a piece of its command line), first match wins. A forked rank keeps its parent's.
 KINDS = [("notebook kernels and their forked ranks", "ipykernel_launcher"),
+         ("notebook kernels and their forked ranks", "course.warm_kernel"),  # forks of the zygote
          ("judges (zygotes and their forks)", "judge"),
          ("runners (one per graded notebook)", "course.runner"),
          ("mgpu-lab commands", "mgpu_lab"), ("mgpu-lab commands", "mgpu-lab"),
@@ -71,8 +72,8 @@ def main() -> int:
     for (pid, _), (cpu, line) in seen.items():
         by_kind[kind(line)][0] += cpu
         by_kind[kind(line)][1] += 1
-        if "ipykernel_launcher" in line:
-            kernels[line].append((int(pid), cpu))
+        if "ipykernel_launcher" in line:       # kernels started cold (warm ones, the
+            kernels[line].append((int(pid), cpu))  # zygote's forks, are in their kind's total)
     total = sum(c for c, _ in by_kind.values())
     print(f"{'CPU s':>8} {'procs':>6}  kind")
     for name, (cpu, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):

@@ -52,7 +52,7 @@ COURSE = LIB / "course"
 # runner and its kernels); shared modules are read by both sides; the grader side holds
 # the solutions, the judges and the scores, and the sandbox side must never import it.
 SIDES = {
-    "sandbox": {"runner", "kernel", "sandbox"},
+    "sandbox": {"runner", "kernel", "sandbox", "warm_kernel"},
     "shared": {"__init__", "protocol", "cells", "graded_cell", "guard"},
     "grader": {"grader", "session", "scoring", "submission", "tamper", "judge", "report",
                "classroom", "notebooks", "labs_command", "layout", "tour", "gpu_pass",

@@ -176,14 +176,24 @@ class Zygote:
 
 
 class JudgePool:
-    """The zygotes of a grading run, one per lab (its setup cells), made on first use.
-    ``env_for(home)``: a judge's environment."""
+    """The zygotes of a grading run, one per lab (its setup cells), made on first use, and
+    the run's warm kernels (:meth:`warm_kernels`). ``env_for(home)``: a judge's environment."""
 
     def __init__(self, env_for, timeout: float):
         self.env_for, self.timeout = env_for, timeout
         self.zygotes: Dict[tuple, Optional[Zygote]] = {}
         self.lock = threading.Lock()
         self.scratch = tempfile.mkdtemp(prefix="mgpu-lab-judges-")
+        self.kernels = None
+
+    def warm_kernels(self, env: dict):
+        """The run's :class:`~mgpu_lab.course.warm_kernel.WarmKernels` (``env``: the
+        sandbox's, the same for every notebook), made on first use."""
+        from .warm_kernel import WarmKernels
+        with self.lock:
+            if self.kernels is None:
+                self.kernels = WarmKernels(env)
+            return self.kernels
 
     def judge(self, setup: List[str], home: str) -> JudgeClient:
         """A judge for one notebook whose lab has these setup cells, set up: a fork of the
@@ -212,6 +222,8 @@ class JudgePool:
             if zygote is not None:
                 zygote.close()
         self.zygotes.clear()
+        if self.kernels is not None:
+            self.kernels.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 

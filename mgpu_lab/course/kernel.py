@@ -23,12 +23,14 @@ and the replay of the earlier cells after a restart.
 """
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import sys
-import re
 from dataclasses import dataclass, field
 from queue import Empty
-from time import monotonic
+from time import monotonic, sleep
 from typing import Dict, List, Optional, Tuple
 
 MAX_RESTARTS = 3
@@ -63,8 +65,46 @@ def cell_frames(traceback: List[str], counts: Dict[int, int]) -> List[Tuple[int,
     return frames
 
 
-def _kernel_manager():
-    """A kernel manager for the Python running us (not whatever "python3" means)."""
+class Adopted:
+    """A kernel that is not our child (a warm one, :mod:`.warm_kernel`), as much of
+    ``subprocess.Popen`` as jupyter_client's provisioner uses; its exit status is unknown (1)."""
+    stdin = stdout = stderr = None
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            try:
+                with open(f"/proc/{self.pid}/stat") as f:
+                    dead = f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+            except OSError:
+                dead = True
+            self.returncode = 1 if dead else None
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        end = monotonic() + (timeout if timeout is not None else float("inf"))
+        while self.poll() is None:
+            if monotonic() > end:
+                raise subprocess.TimeoutExpired(f"kernel {self.pid}", timeout)
+            sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def _kernel_manager(start=None):
+    """A kernel manager for the Python running us (not whatever "python3" means).
+    ``start(argv, env, cwd)``: the pid of a kernel started elsewhere (a warm one), or None."""
     import ipykernel.kernelspec
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import AsyncKernelManager
@@ -76,7 +116,17 @@ def _kernel_manager():
                                               **ipykernel.kernelspec.get_kernel_dict())
             return super().get_kernel_spec(kernel_name)
 
-    return AsyncKernelManager(kernel_name=CURRENT_ENV, kernel_spec_manager=Specs())
+    class Manager(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            env = dict(kw.get("env") or os.environ)
+            pid = start(list(kernel_cmd), env, str(kw.get("cwd") or os.getcwd())) if start else None
+            if pid is None:
+                return await super()._async_launch_kernel(kernel_cmd, **kw)
+            p = self.provisioner
+            p.process, p.pid, p.pgid, p.cwd = Adopted(pid), pid, pid, kw.get("cwd")
+            self._reconcile_connection_info(p.connection_info)
+
+    return Manager(kernel_name=CURRENT_ENV, kernel_spec_manager=Specs())
 
 
 async def _responsive(kc, wait: float = 3.0) -> bool:
@@ -123,7 +173,7 @@ async def silent(client, code: str, expressions: Optional[dict] = None,
 
 
 async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
-               after=None, graded_history=True) -> List[CellResult]:
+               after=None, graded_history=True, start_kernel=None) -> List[CellResult]:
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
     from nbclient.util import ensure_async
@@ -173,7 +223,7 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
 
     pos, restarts = 0, 0
     while pos < len(code):
-        client.km = state["km"] = _kernel_manager()
+        client.km = state["km"] = _kernel_manager(start_kernel)
         counts.clear()
         try:
             await client.async_start_new_kernel(stderr=subprocess.DEVNULL)
@@ -216,12 +266,14 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
 
 def run_notebook(nb, cwd=".", timeout: float = 120.0, total_timeout: Optional[float] = None,
                  desc: Optional[str] = None, progress: bool = True, before=None,
-                 after=None, graded_history: bool = True) -> List[CellResult]:
+                 after=None, graded_history: bool = True, start_kernel=None) -> List[CellResult]:
     """Execute ``nb`` in place (outputs stored in it) under the limits above.
 
     Returns one :class:`CellResult` per non-empty code cell; never raises for
     errors inside the notebook. ``graded_history=False`` keeps graded cells out
     of the kernel's input history (the grader: no ``In[]`` view of hidden tests).
+    ``start_kernel(argv, env, cwd)``: a kernel's pid, started warm (:mod:`.warm_kernel`),
+    or None to start it here.
     """
     from nbclient.util import run_sync
     from tqdm.auto import tqdm
@@ -232,7 +284,7 @@ def run_notebook(nb, cwd=".", timeout: float = 120.0, total_timeout: Optional[fl
     state = {"km": None}  # the live kernel, so that Ctrl-C cannot orphan it
     try:
         return run_sync(_run)(nb, cwd, timeout, total_timeout, bar, state, before, after,
-                                  graded_history)
+                              graded_history, start_kernel)
     except BaseException:
         km = state["km"]
         if km is not None and km.has_kernel:

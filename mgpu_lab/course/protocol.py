@@ -15,6 +15,11 @@ The runner's conversation, per submission::
     ...
     runner -> grader   Results         every cell's outcome, the guard's findings
 
+and, when the header says ``warm``, before each kernel start (the first, and each restart)::
+
+    runner -> grader   StartKernel     its command, environment, folder
+    grader -> runner   KernelStarted   the warm kernel's pid, or None: start it yourself
+
 The judge's, per request: ``Setup`` | ``Inputs`` | ``Judge`` -> ``Reply``; a judge's
 zygote (one per lab, :mod:`mgpu_lab.course.judge_pool`) answers ``Setup`` once, then
 ``Fork`` -> ``Forked``.
@@ -55,6 +60,7 @@ class Header:
     trusted: List[str]             # the instructor's given cells (may call references)
     graded: Dict[int, List[str]]   # graded cell index -> what it must not call
     limited: bool = False          # no sandbox, another user: still set the rlimits
+    warm: bool = False             # ask the grader for the kernel (``StartKernel``) first
 
 
 @dataclass
@@ -91,6 +97,26 @@ class Outcome:
 class Results:
     results: List[Outcome]
     violations: Dict[int, List[str]]   # graded cell index -> references the guard saw called
+
+
+@dataclass
+class StartKernel:
+    """Runner -> grader: start my kernel (``pid``: the runner's, in its sandbox). Grader ->
+    warm zygote (:mod:`.warm_kernel`): the same, ``pid`` the runner's as the grader sees
+    it, with the sandbox's limits and cgroup files."""
+    argv: List[str]
+    env: Dict[str, str]
+    cwd: str
+    pid: int
+    limits: dict = field(default_factory=dict)
+    cgroup: bool = False
+    cgroups: List[str] = field(default_factory=list)
+
+
+@dataclass
+class KernelStarted:
+    pid: Optional[int]             # the kernel's, in the sandbox; None: start it yourself
+    why: str = ""
 
 
 # --- the judge's messages ----------------------------------------------------------
@@ -136,8 +162,8 @@ class Reply:
     drop: List[str] = field(default_factory=list)
 
 
-KINDS = {cls.__name__: cls for cls in (Header, Need, Probe, Answer, Results, Setup, Inputs,
-                                       Judge, Fork, Forked, Reply)}
+KINDS = {cls.__name__: cls for cls in (Header, Need, Probe, Answer, Results, StartKernel,
+                                       KernelStarted, Setup, Inputs, Judge, Fork, Forked, Reply)}
 
 
 def encode(msg) -> str:

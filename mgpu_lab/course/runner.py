@@ -22,7 +22,8 @@ import sys
 import tempfile
 
 from . import guard
-from .protocol import ANSWER_LIMIT, Answer, Need, Outcome, Results, child_pipe
+from .protocol import (ANSWER_LIMIT, Answer, KernelStarted, Need, Outcome, Results, StartKernel,
+                       child_pipe)
 
 MESSAGE_LIMIT = 2000
 # Run silently in the kernel around a graded cell (no names left behind).
@@ -168,9 +169,16 @@ def main() -> int:
                 answer[name] = base64.b64encode(f.read()).decode("ascii")
         return Answer(index, answer, missing)
 
+    def start_kernel(argv, env, cwd):
+        """The grader's warm kernel (:mod:`.warm_kernel`): its pid, or None."""
+        pipe.send(StartKernel(argv, env, cwd, os.getpid()))
+        reply = pipe.receive()
+        return reply.pid if isinstance(reply, KernelStarted) else None
+
     results = run_notebook(nb, cwd=os.getcwd(), timeout=header.timeout,
                            total_timeout=header.total_timeout, progress=False,
-                           before=before, after=after, graded_history=False)
+                           before=before, after=after, graded_history=False,
+                           start_kernel=start_kernel if header.warm else None)
     shutil.rmtree(io_dir, ignore_errors=True)
     pipe.send(Results([Outcome(r.index, r.error, (r.message or "")[:MESSAGE_LIMIT],
                                round(r.seconds, 3), [list(f) for f in r.frames][-20:])

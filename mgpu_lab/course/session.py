@@ -29,7 +29,8 @@ from . import graded_cell
 from .cells import given_sources, graded_cells, setup_sources
 from .guard import forbidden_of
 from .judge import MEMORY_ENV, JudgeError, JudgeProcess
-from .protocol import RUNNER_COMMAND, Answer, Channel, Header, Need, Outcome, Probe, Results
+from .protocol import (RUNNER_COMMAND, Answer, Channel, Header, KernelStarted, Need, Outcome,
+                       Probe, Results, StartKernel)
 from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
 from .submission import Prepared
 
@@ -139,14 +140,17 @@ class Judges:
 
 
 def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
-             settled, deadline: float, tail: list) -> RunOutcome:
-    """The protocol loop, until the runner's ``Results`` (RuntimeError when it ends without)."""
+             settled, deadline: float, tail: list, start_kernel=None) -> RunOutcome:
+    """The protocol loop, until the runner's ``Results`` (RuntimeError when it ends without).
+    ``start_kernel(StartKernel) -> KernelStarted``: the warm kernels, when there are."""
     out = RunOutcome()
     while True:
         msg = channel.receive(deadline)
         if msg is None:
             raise RuntimeError("the runner gave no result" + (f": {tail[-1][-300:]}" if tail else ""))
-        if isinstance(msg, Need):
+        if isinstance(msg, StartKernel):
+            channel.send(start_kernel(msg) if start_kernel else KernelStarted(None, "none here"))
+        elif isinstance(msg, Need):
             i = msg.index
             if i in settled:
                 out.verdicts[i] = Verdict("Settled", "scored 0 by the static pass; not run")
@@ -179,7 +183,8 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
                  pool=None) -> RunOutcome:
     """Run the submission in the runner (sandboxed when ``box.available``), each graded
     cell's probe in its kernel and its judge here, in a judge process (forked from
-    ``pool``'s zygote of the lab, when given: :mod:`mgpu_lab.course.judge_pool`).
+    ``pool``'s zygote of the lab, when given: :mod:`mgpu_lab.course.judge_pool`; and,
+    sandboxed, the kernel forked warm from ``pool``'s: :mod:`mgpu_lab.course.warm_kernel`).
 
     ``settled``: indices of graded cells already scored 0 by the static pass: their
     probes are not run (an empty probe is sent in its place) and not judged; the
@@ -197,9 +202,13 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
         os.makedirs(home, mode=0o700)
         user = {} if box.available or not box.run_as else dict(
             user=box.run_as[0], group=box.run_as[1], extra_groups=[])
+        warm = pool.warm_kernels(env) if pool is not None and box.available else None
+        header.warm = warm is not None
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
                                 **user)
+        start_kernel = None if warm is None else lambda msg: warm.start(
+            msg, proc.pid, asdict(limits), bool(box.cgroup), [str(d / "cgroup.procs") for d in cleanup])
         tail: list = []
         threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
         judges = None
@@ -209,7 +218,7 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
             judges = Judges(setup_sources(instructor), home, timeout, pool, limits.memory_gib)
             judges.setup()                                      # while the kernel starts
             deadline = monotonic() + (total_timeout or 24 * 3600) + 60
-            return converse(channel, judges, prepared, parts, settled, deadline, tail)
+            return converse(channel, judges, prepared, parts, settled, deadline, tail, start_kernel)
         finally:
             if judges is not None:
                 judges.close()

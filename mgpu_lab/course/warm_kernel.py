@@ -1,0 +1,273 @@
+"""Warm kernels: each graded notebook's kernel forked, its imports done, into its sandbox.
+
+A graded kernel's start is nearly all imports: ipykernel, then torch and mgpu_lab
+(about 2 of the 2.8 s of CPU a kernel of the test suite costs). A grading run starts
+one **zygote** (``python -m mgpu_lab.course.warm_kernel``, with the sandbox's
+environment): it imports what kernels import (:data:`IMPORTS`: installed code only,
+nothing of a lab or a submission) and then only forks. For a notebook, the runner in
+its sandbox asks for its kernel (``StartKernel``, :mod:`.protocol`); the grader passes
+the request on with the runner's process, and the zygote's fork enters that sandbox
+before anything of the notebook runs:
+
+1. it joins the sandbox's cgroup(s) and namespaces (user, mount, network, IPC, UTS,
+   cgroup, PID: ``setns``) and forks the kernel, which is then inside the sandbox's
+   PID namespace (its parent, outside, exits at once; the sandbox's init reaps it);
+2. the kernel becomes what bubblewrap makes of a process: its own session, no
+   capability (bounding and ambient sets too) and ``no_new_privs``, the sandbox's
+   rlimits, environment and folder, no file descriptor of the zygote's, stdio on
+   ``/dev/null``; fresh import caches, ``random`` reseeded, ``SIGCHLD`` default;
+3. it runs ``ipykernel_launcher`` as ``python -m ipykernel_launcher -f FILE`` does,
+   without ``JPY_PARENT_PID`` (ipykernel would end a kernel whose parent is not the
+   runner; a warm kernel's is the sandbox's init, and it ends with the sandbox).
+
+A cold kernel and a warm one see the same sandbox (``tests/test_warm_kernel.py``
+grades one notebook of checks both ways). Where any step fails (no ``setns`` here, the
+zygote ended), the runner starts its kernel itself, as without a zygote: slower,
+never different.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import importlib
+import os
+import random
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from time import monotonic
+from typing import Dict, List, Optional
+
+from .protocol import Channel, KernelStarted, StartKernel, child_pipe
+from .sandbox import Limits, apply_rlimits
+
+IMPORTS = ["ipykernel.kernelapp", "torch", "mgpu_lab"]
+CLONE = {"user": 0x10000000, "mnt": 0x00020000, "net": 0x40000000, "ipc": 0x08000000,
+         "uts": 0x04000000, "cgroup": 0x02000000, "pid": 0x20000000}
+NS_GET_PARENT = 0xB702             # ioctl: the user namespace that owns this one
+START_TIMEOUT = 30.0               # seconds for the zygote to answer a start
+
+
+# --- the zygote ------------------------------------------------------------------------
+
+def main() -> int:
+    pipe = child_pipe()
+    for name in IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)     # each fork's parent half exits at once
+    own = [pipe.reader.fileno(), pipe.writer.fileno()]
+    for req in pipe:
+        if isinstance(req, StartKernel):
+            pipe.send(fork_kernel(req, own))
+    return 0
+
+
+def is_kernel_command(argv: List[str]) -> bool:
+    """Only ``python -m ipykernel_launcher -f FILE`` (this Python) is started warm."""
+    return (len(argv) == 5 and argv[0] == sys.executable and argv[1:3] == ["-m", "ipykernel_launcher"]
+            and argv[3] == "-f" and os.path.isabs(argv[4]))
+
+
+def fork_kernel(req: StartKernel, own: List[int]) -> KernelStarted:
+    """Fork a kernel into the sandbox of process ``req.pid``; its pid there, or why not."""
+    if not is_kernel_command(req.argv):
+        return KernelStarted(None, "not an ipykernel command")
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        try:
+            _enter(req, w, own)                       # returns only on failure
+        except BaseException as err:
+            os.write(w, f"{type(err).__name__}: {err}"[:500].encode())
+        os._exit(1)
+    os.close(w)
+    try:
+        text, end = b"", monotonic() + START_TIMEOUT
+        while monotonic() < end and select.select([r], [], [], end - monotonic())[0]:
+            chunk = os.read(r, 1024)
+            if not chunk:
+                break
+            text += chunk
+    finally:
+        os.close(r)
+    words = text.decode("utf-8", "replace")
+    if words.startswith("pid ") and words[4:].isdigit():
+        return KernelStarted(int(words[4:]))
+    return KernelStarted(None, words or "the fork ended without a word")
+
+
+def _enter(req: StartKernel, report: int, own: List[int]) -> None:
+    """The fork's parent half, outside: join the sandbox, fork the kernel inside, exit."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def setns(fd: int, kind: str) -> None:
+        if libc.setns(fd, CLONE[kind]) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({kind}): {os.strerror(ctypes.get_errno())}")
+
+    for procs in req.cgroups:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    fds = {kind: os.open(f"/proc/{req.pid}/ns/{kind}", os.O_RDONLY) for kind in CLONE}
+    same = lambda fd, path: os.fstat(fd).st_ino == os.stat(path).st_ino  # noqa: E731
+    if same(fds["user"], "/proc/self/ns/user"):
+        raise OSError("that process is not in a sandbox of its own")
+    # bubblewrap's --disable-userns nests the sandbox's user namespace in the one that owns
+    # its mounts: join that one first (its mounts and the rest need its capabilities).
+    owner = fcntl.ioctl(fds["user"], NS_GET_PARENT)
+    nested = not same(owner, "/proc/self/ns/user")
+    setns(owner if nested else fds["user"], "user")
+    for kind in ("mnt", "net", "ipc", "uts", "cgroup", "pid"):
+        setns(fds[kind], kind)
+    if nested:
+        setns(fds["user"], "user")
+    for fd in [owner, *fds.values()]:
+        os.close(fd)
+    if os.fork() == 0:
+        try:
+            _become_kernel(req, report, own, libc)
+        except BaseException as err:
+            os.write(report, f"{type(err).__name__}: {err}"[:500].encode())
+        os._exit(1)
+    os._exit(0)
+
+
+def _become_kernel(req: StartKernel, report: int, own: List[int], libc) -> None:
+    """Inside the sandbox: become what bubblewrap makes of a process, then the kernel."""
+    os.setsid()
+    for cap in range(64):                              # EINVAL past the last one
+        libc.prctl(24, cap, 0, 0, 0)                   # PR_CAPBSET_DROP
+    libc.prctl(47, 4, 0, 0, 0)                         # PR_CAP_AMBIENT, CLEAR_ALL
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()) != 0:   # v3, all zero
+        raise OSError(ctypes.get_errno(), "capset")
+    if libc.prctl(38, 1, 0, 0, 0) != 0:                # PR_SET_NO_NEW_PRIVS
+        raise OSError(ctypes.get_errno(), "no_new_privs")
+    apply_rlimits(Limits(**req.limits), req.cgroup)
+    os.chdir(req.cwd)
+    os.environ.clear()
+    os.environ.update(req.env)
+    os.environ.pop("JPY_PARENT_PID", None)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2, *own):                         # the zygote's pipes: /dev/null now
+        os.dup2(null, fd)
+    os.write(report, f"pid {os.getpid()}".encode())
+    keep = {0, 1, 2, *own}
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    random.seed()
+    tempfile.tempdir = None
+    sys.path[0] = os.getcwd()                          # as ``python -m`` in this folder
+    sys.path_importer_cache.clear()
+    importlib.invalidate_caches()
+    sys.argv = ["-m", *req.argv[3:]]
+    try:
+        runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else 1
+    os._exit(code)
+
+
+# --- the grader's side ----------------------------------------------------------------
+
+def sandbox_pid(root: int, inner: int) -> Optional[int]:
+    """The pid, seen from here, of the process under ``root`` whose pid in its sandbox is
+    ``inner`` (the runner tells its own); None when there is none."""
+    todo, seen = [root], set()
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+        except OSError:
+            continue
+        if len(nspid) > 1 and nspid[-1] == str(inner):
+            return pid
+        todo += children.get(pid, [])
+    return None
+
+
+class WarmKernels:
+    """The zygote of a grading run (``env``: the sandbox's environment); :meth:`start`
+    answers a runner's ``StartKernel``."""
+
+    def __init__(self, env: dict):
+        self.lock, self.broken = threading.Lock(), ""
+        self.home = tempfile.mkdtemp(prefix="mgpu-lab-warm-")
+        try:                            # importing while the first runner starts
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mgpu_lab.course.warm_kernel"], cwd=self.home, env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+            self.channel = Channel(self.proc.stdin, self.proc.stdout)
+        except OSError as err:
+            self.proc, self.broken = None, f"the warm zygote did not start ({err})"
+
+    def start(self, req: StartKernel, root: int, limits: dict, cgroup: bool,
+              cgroups: List[str]) -> KernelStarted:
+        """Fork the kernel ``req`` asks for into the sandbox under process ``root``."""
+        target = sandbox_pid(root, req.pid)
+        if target is None:
+            return KernelStarted(None, "the runner's process was not found")
+        with self.lock:
+            if self.broken:
+                return KernelStarted(None, self.broken)
+            try:
+                self.channel.send(StartKernel(req.argv, req.env, req.cwd, target, limits,
+                                              cgroup, cgroups))
+                reply = self.channel.receive(monotonic() + START_TIMEOUT + 60)
+            except (OSError, ValueError) as err:
+                reply = err
+            if not isinstance(reply, KernelStarted):
+                self.broken = f"the warm zygote failed ({reply or 'no answer'})"
+                self._end()
+                return KernelStarted(None, self.broken)
+            return reply
+
+    def _end(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+            for stream in (self.proc.stdin, self.proc.stdout):
+                stream.close()
+
+    def close(self) -> None:
+        import shutil
+        with self.lock:
+            self._end()
+            self.proc, self.broken = None, "closed"
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
