@@ -99,7 +99,7 @@ case "$cmd" in
     # one kernel), in collection order: tests/test_mutants.py, which waits for the mutation
     # run grading beside them, comes last (xdist's default order, most tests first, gave it
     # to a worker that then waited five minutes while the other did the rest alone).
-    exec "$PY" -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests solutions \
+    exec "$PY" -m pytest -p mgpu_lab.course -n 2 --dist loadfile --no-loadscope-reorder tests solutions \
       --nbval --nbval-current-env --nbval-cell-timeout=300 \
       --nbval-sanitize-with solutions/sanitize.cfg "$@"
     ;;

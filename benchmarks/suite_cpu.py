@@ -19,7 +19,7 @@ import sys
 import time
 from collections import defaultdict
 
-SUITE = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder",
+SUITE = [sys.executable, "-m", "pytest", "-p", "mgpu_lab.course", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder",
          "tests", "solutions", "--nbval", "--nbval-current-env", "--nbval-cell-timeout=300",
          "--nbval-sanitize-with", "solutions/sanitize.cfg", "-q", "-p", "no:cacheprovider"]
 # (kind, a piece of its command line), first match wins. A forked rank keeps its parent's.

@@ -8,4 +8,6 @@ import sys as _sys
 # 1.4 s of CPU in each process (each graded notebook's runner, the grader, the tour).
 # Notebooks are validated against draft-4 schemas, which have no "iri" format, so the
 # course's processes go without that checker (jsonschema skips it on ImportError).
+# pytest processes (run.sh's, ``mgpu-lab labs check``'s, the GPU pass's) load this package
+# first, ``-p mgpu_lab.course``, before nbval imports nbformat: 1.8 s of CPU less each.
 _sys.modules.setdefault("rfc3987_syntax", None)

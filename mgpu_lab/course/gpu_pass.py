@@ -158,7 +158,7 @@ def gpu_pass(out: Path, root: Path = ROOT, notebooks: Optional[List[Path]] = Non
         save()
     tasks = {}  # name -> (function, arguments): the GPU tests, then each lab
     if in_budget("pytest"):
-        tasks["pytest"] = (run_script, ([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        tasks["pytest"] = (run_script, ([sys.executable, "-m", "pytest", "-p", "mgpu_lab.course", "-q", "-p", "no:cacheprovider",
                                          *pytest_args], timeout * 6, root))
     for path in notebooks:  # a lab not started within the budget is not run
         tasks[Path(path).stem] = (_lab_in_budget, (Path(path), first_cell, timeout, start, budget))

@@ -18,8 +18,9 @@ run around each cell's first execution (not around replays): the grader's
 runner fills a graded cell's source in ``before`` and sets or lifts the
 "must not call" guards (:mod:`mgpu_lab.course.guard`) with :func:`silent`.
 
-What it costs: one kernel start (about a second) per notebook and per restart,
-and the replay of the earlier cells after a restart.
+What it costs: one kernel start (about two seconds of CPU, nearly all imports) per
+notebook and per restart, and the replay of the earlier cells after a restart. The
+grader's runner has its kernels forked warm instead (``start_kernel``: :mod:`.warm_kernel`).
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def check_command(root: Path, lab: str) -> list:
     """The pytest command that checks one lab in the checkout ``root``: its nbval, and the
     mutation run of its mutants and its untouched cells (0 points), with its whole solution
     (full marks) graded too (``MGPU_LAB_MUTANTS_SOLUTION=1``), beside each other."""
-    return [sys.executable, "-m", "pytest", f"solutions/{lab}.ipynb", "tests/test_mutants.py",
+    return [sys.executable, "-m", "pytest", "-p", "mgpu_lab.course", f"solutions/{lab}.ipynb", "tests/test_mutants.py",
             "--nbval", "--nbval-current-env", "--nbval-cell-timeout=300",
             "--nbval-sanitize-with", "solutions/sanitize.cfg", "-k", f"{lab} or three_mutants",
             "-p", "no:cacheprovider", "-q"]

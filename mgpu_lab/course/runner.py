@@ -11,7 +11,9 @@ probe runs. After it, the runner saves the names the probe bound (``torch.save``
 the kernel) and sends them back in an ``Answer``: the grader's judge process reads
 them as plain data and decides. The sandbox never holds a judge, the instructor's
 notebook, or a graded cell before its turn. At the end: ``Results``. The kernel (a
-child of the runner) has neither end of the pipe; its output goes to stderr.
+child of the runner, or forked warm into its sandbox when the header says ``warm``:
+:mod:`.warm_kernel`) has neither end of the pipe; a cold one's output goes to stderr, a
+warm one's to ``/dev/null``.
 """
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ the submission sees:
   grader may create one (root), else ``RLIMIT_DATA`` per process and
   ``RLIMIT_NPROC`` (counted inside the sandbox's user namespace).
 
-What it costs: the namespaces take a few milliseconds; the kernel start is the
-same as outside. CUDA devices (``/dev/nvidia*``) are passed through when present.
+What it costs: the namespaces take a few milliseconds. A grading run's kernels are
+forked, their imports done, into their sandboxes (:mod:`.warm_kernel`), each made what
+this module makes of a process. CUDA devices (``/dev/nvidia*``) are passed through when present.
 """
 from __future__ import annotations
 
