@@ -15,7 +15,7 @@ before anything of the notebook runs:
 2. the kernel becomes what bubblewrap makes of a process: its own session, no
    capability (bounding and ambient sets too) and ``no_new_privs``, the sandbox's
    rlimits, environment and folder, no file descriptor of the zygote's, stdio on
-   ``/dev/null``; fresh import caches, ``random`` reseeded, ``SIGCHLD`` default;
+   ``/dev/null``; fresh import caches, ``random`` and numpy reseeded, ``SIGCHLD`` default;
 3. it runs ``ipykernel_launcher`` as ``python -m ipykernel_launcher -f FILE`` does,
    without ``JPY_PARENT_PID`` (ipykernel would end a kernel whose parent is not the
    runner; a warm kernel's is the sandbox's init, and it ends with the sandbox).
@@ -173,6 +173,8 @@ def _become_kernel(req: StartKernel, report: int, own: List[int], libc) -> None:
                 pass
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     random.seed()
+    if "numpy" in sys.modules:                         # its global generator too (torch's is
+        sys.modules["numpy"].random.seed()             # seeded alike in every process)
     tempfile.tempdir = None
     sys.path[0] = os.getcwd()                          # as ``python -m`` in this folder
     sys.path_importer_cache.clear()
