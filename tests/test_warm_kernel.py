@@ -89,3 +89,60 @@ def test_the_zygote_starts_only_this_pythons_ipykernel():
     for bad in (["/bin/sh", *ok[1:]], ok[:3] + ["-c", "x"], ok[:4] + ["k.json"], ok + ["--x"],
                 [sys.executable, "-m", "evil", "-f", "/tmp/k.json"]):
         assert not warm_kernel.is_kernel_command(bad), bad
+
+
+# What a judge's zygote can see of its process, raised from a setup cell (its error comes
+# back in the zygote's refusal). Its folder's name is left out of the paths (each zygote
+# has its own); the warm zygote's extra imports are not looked at.
+JUDGE_FACTS = r'''import hashlib, json, os, resource, signal, sys
+def _facts():
+    home = os.getcwd()
+    links = [os.path.join("/proc/self/fd", fd) for fd in os.listdir("/proc/self/fd")]
+    fds = sorted(os.readlink(link).split(":")[0] for link in links if os.path.exists(link))
+    env = sorted((k, v.replace(home, "HOME")) for k, v in os.environ.items())
+    digest = lambda x: hashlib.sha256(repr(x).encode()).hexdigest()[:16]
+    return {"session_leader": os.getsid(0) == os.getpid(), "ids": [os.getuid(), os.getgid()],
+            "fds": fds, "env": digest(env), "env_keys": digest([k for k, _ in env]),
+            "path": digest([p.replace(home, "HOME") for p in sys.path]), "argv": sys.argv[1:2],
+            "as": resource.getrlimit(resource.RLIMIT_AS), "umask": os.umask(0o22),
+            "sigchld": str(signal.getsignal(signal.SIGCHLD)), "main": sys.modules["__main__"].__spec__.name,
+            "dont_write_bytecode": sys.dont_write_bytecode, "stdio": [os.readlink(f"/proc/self/fd/{i}") for i in (0, 1, 2)]}
+raise ValueError(json.dumps(_facts()))'''
+
+
+def test_a_judge_zygote_forked_warm_sees_what_a_new_one_does(tmp_path):
+    """The run's judge zygotes are forks of the warm zygote (imports done): the same
+    process as one started anew — session, environment, ``sys.path``, fds, limits."""
+    from mgpu_lab.course.judge import JudgeError
+    from mgpu_lab.course.judge_pool import Zygote
+    def env_of(home):
+        return {k: v for k, v in judge_environment(str(home)).items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env = env_of(tmp_path)
+    warm = warm_kernel.WarmKernels(dict(env, PYTHONDONTWRITEBYTECODE="1"))   # as the sandbox's
+    facts = {}
+    try:
+        for name, spawn in (("warm", warm), ("cold", None)):
+            home = tmp_path / name
+            home.mkdir()
+            with pytest.raises(JudgeError) as refused:
+                Zygote(env_of(home), str(home), [JUDGE_FACTS], JUDGE_TIMEOUT, spawn)
+            text = str(refused.value)
+            facts[name] = json.loads(text[text.index("{"):])
+        forked = warm.fork_judges(env, str(tmp_path), __import__("socket").socketpair()[0])
+        assert forked is not None and forked.poll() is None     # a fork it is, and alive
+        forked.kill()
+    finally:
+        warm.close()
+    assert facts["warm"] == facts["cold"]
+    assert facts["cold"]["session_leader"] and facts["cold"]["main"] == "mgpu_lab.course.judge_pool"
+    assert facts["cold"]["fds"].count("socket") == 1 and "pipe" in facts["cold"]["fds"]
+    assert not facts["cold"]["dont_write_bytecode"]
+
+
+def test_the_warm_zygote_forks_no_judge_for_another_pythonpath(tmp_path):
+    warm = warm_kernel.WarmKernels(dict(judge_environment(str(tmp_path)), PYTHONPATH="/elsewhere"))
+    try:
+        sock = __import__("socket").socketpair()[0]
+        assert warm.fork_judges(judge_environment(str(tmp_path)), str(tmp_path), sock) is None
+    finally:
+        warm.close()

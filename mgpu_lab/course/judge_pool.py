@@ -10,6 +10,10 @@ they do not start processes or keep files a check writes; ``docs/AUTHORING.md``)
 
     python -m mgpu_lab.course.judge_pool      (the zygote; started by :class:`JudgePool`)
 
+In a sandboxed run the zygote is itself a fork, of the run's warm zygote
+(:mod:`mgpu_lab.course.warm_kernel`), which imported torch and ``mgpu_lab`` already: a lab's
+judges then cost only its setup cells (about 1.5 s of CPU less per lab).
+
 The zygote speaks :mod:`mgpu_lab.course.protocol` on its pipes (``Setup``, then
 ``Fork`` -> ``Forked``) and takes each child's two pipe ends as file descriptors over a
 Unix socket (fd 3). Where anything of this fails, a notebook gets a fresh judge process
@@ -112,11 +116,12 @@ class ForkedJudge(JudgeClient):
 class Zygote:
     """A lab's zygote process; :meth:`fork` gives a notebook its judge."""
 
-    def __init__(self, env: dict, home: str, setup: List[str], timeout: float):
+    def __init__(self, env: dict, home: str, setup: List[str], timeout: float, warm=None):
         self.timeout, self.lock = timeout, threading.Lock()
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self.proc = subprocess.Popen(
+        try:        # a fork of the run's warm zygote (its imports done), else a new process
+            self.proc = warm.fork_judges(env, home, theirs) if warm is not None else None
+            self.proc = self.proc or subprocess.Popen(
                 [sys.executable, "-m", "mgpu_lab.course.judge_pool", "--socket",
                  str(theirs.fileno())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, cwd=home, env=env, start_new_session=True,
@@ -161,12 +166,16 @@ class Zygote:
                            self.timeout)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        self.proc.wait()
+        for kill in (lambda: os.killpg(self.proc.pid, signal.SIGKILL), self.proc.kill):
+            if self.proc.poll() is None:     # its session (its judges), else itself
+                try:
+                    kill()
+                except OSError:
+                    pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
         self.sock.close()
         for stream in (self.proc.stdin, self.proc.stdout):
             try:
@@ -177,7 +186,8 @@ class Zygote:
 
 class JudgePool:
     """The zygotes of a grading run, one per lab (its setup cells), made on first use, and
-    the run's warm kernels (:meth:`warm_kernels`). ``env_for(home)``: a judge's environment."""
+    the run's warm kernels (:meth:`warm_kernels`), whose zygote, when there is one, forks
+    the judges' zygotes too. ``env_for(home)``: a judge's environment."""
 
     def __init__(self, env_for, timeout: float):
         self.env_for, self.timeout = env_for, timeout
@@ -202,10 +212,14 @@ class JudgePool:
         with self.lock:
             if key not in self.zygotes:
                 folder = tempfile.mkdtemp(dir=self.scratch)
-                try:
-                    self.zygotes[key] = Zygote(self.env_for(folder), folder, setup, self.timeout)
-                except (JudgeError, OSError):
-                    self.zygotes[key] = None
+                self.zygotes[key] = None
+                for warm in ([self.kernels] if self.kernels is not None else []) + [None]:
+                    try:
+                        self.zygotes[key] = Zygote(self.env_for(folder), folder, setup,
+                                                   self.timeout, warm)
+                        break
+                    except (JudgeError, OSError):
+                        pass
             zygote = self.zygotes[key]
         if zygote is not None:
             try:

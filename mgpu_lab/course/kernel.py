@@ -67,8 +67,9 @@ def cell_frames(traceback: List[str], counts: Dict[int, int]) -> List[Tuple[int,
 
 
 class Adopted:
-    """A kernel that is not our child (a warm one, :mod:`.warm_kernel`), as much of
-    ``subprocess.Popen`` as jupyter_client's provisioner uses; its exit status is unknown (1)."""
+    """A process that is not our child (a warm kernel or judge zygote, :mod:`.warm_kernel`),
+    as much of ``subprocess.Popen`` as jupyter_client's provisioner and the judge pool use;
+    its exit status is unknown (1)."""
     stdin = stdout = stderr = None
 
     def __init__(self, pid: int):

@@ -22,7 +22,8 @@ and, when the header says ``warm``, before each kernel start (the first, and eac
 
 The judge's, per request: ``Setup`` | ``Inputs`` | ``Judge`` -> ``Reply``; a judge's
 zygote (one per lab, :mod:`mgpu_lab.course.judge_pool`) answers ``Setup`` once, then
-``Fork`` -> ``Forked``.
+``Fork`` -> ``Forked``. In a sandboxed run the judge zygotes are forks of the warm zygote
+(:mod:`mgpu_lab.course.warm_kernel`): ``ForkJudges`` -> ``Forked``.
 """
 from __future__ import annotations
 
@@ -153,6 +154,15 @@ class Forked:
 
 
 @dataclass
+class ForkJudges:
+    """To the warm zygote (:mod:`.warm_kernel`): fork a lab's judge zygote, its imports done
+    (its two pipe ends and its socket come as fds over the warm zygote's socket); ``env``
+    and ``cwd``: the judge's. Answered ``Forked`` or ``Reply(False, ...)``."""
+    env: Dict[str, str]
+    cwd: str
+
+
+@dataclass
 class Reply:
     ok: bool
     error: Optional[str] = None
@@ -163,7 +173,8 @@ class Reply:
 
 
 KINDS = {cls.__name__: cls for cls in (Header, Need, Probe, Answer, Results, StartKernel,
-                                       KernelStarted, Setup, Inputs, Judge, Fork, Forked, Reply)}
+                                       KernelStarted, Setup, Inputs, Judge, Fork, Forked, ForkJudges,
+                                       Reply)}
 
 
 def encode(msg) -> str:

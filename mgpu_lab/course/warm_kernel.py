@@ -20,6 +20,11 @@ before anything of the notebook runs:
    without ``JPY_PARENT_PID`` (ipykernel would end a kernel whose parent is not the
    runner; a warm kernel's is the sandbox's init, and it ends with the sandbox).
 
+The judges' zygotes of the run (:mod:`.judge_pool`, one per lab, outside the sandbox:
+they hold the instructor's checks) start as forks of this zygote too (``ForkJudges``):
+their own session, the judge's environment and folder, then ``python -m
+mgpu_lab.course.judge_pool`` as a new process would run it, its imports done.
+
 A cold kernel and a warm one see the same sandbox (``tests/test_warm_kernel.py``
 grades one notebook of checks both ways). Where any step fails (no ``setns`` here, the
 zygote ended), the runner starts its kernel itself, as without a zygote: slower,
@@ -35,6 +40,7 @@ import random
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,10 +48,13 @@ import threading
 from time import monotonic
 from typing import Dict, List, Optional
 
-from .protocol import Channel, KernelStarted, StartKernel, child_pipe
+from .kernel import Adopted
+from .protocol import Channel, ForkJudges, Forked, KernelStarted, Reply, StartKernel, child_pipe
 from .sandbox import Limits, apply_rlimits
 
-IMPORTS = ["ipykernel.kernelapp", "torch", "mgpu_lab"]
+# torch._dynamo: DDP, FSDP, DTensor and a TorchDispatchMode import it on first use, about a
+# second of CPU in every kernel of labs 03-15 (a second more for the zygote, once per run).
+IMPORTS = ["ipykernel.kernelapp", "torch", "torch._dynamo", "mgpu_lab"]
 CLONE = {"user": 0x10000000, "mnt": 0x00020000, "net": 0x40000000, "ipc": 0x08000000,
          "uts": 0x04000000, "cgroup": 0x02000000, "pid": 0x20000000}
 NS_GET_PARENT = 0xB702             # ioctl: the user namespace that owns this one
@@ -56,16 +65,19 @@ START_TIMEOUT = 30.0               # seconds for the zygote to answer a start
 
 def main() -> int:
     pipe = child_pipe()
+    sock = socket.socket(fileno=int(sys.argv[sys.argv.index("--socket") + 1]))
     for name in IMPORTS:
         try:
             importlib.import_module(name)
         except ImportError:
             pass
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)     # each fork's parent half exits at once
-    own = [pipe.reader.fileno(), pipe.writer.fileno()]
+    own = [pipe.reader.fileno(), pipe.writer.fileno(), sock.fileno()]
     for req in pipe:
         if isinstance(req, StartKernel):
             pipe.send(fork_kernel(req, own))
+        elif isinstance(req, ForkJudges):
+            pipe.send(fork_judges(req, sock))
     return 0
 
 
@@ -156,29 +168,12 @@ def _become_kernel(req: StartKernel, report: int, own: List[int], libc) -> None:
     if libc.prctl(38, 1, 0, 0, 0) != 0:                # PR_SET_NO_NEW_PRIVS
         raise OSError(ctypes.get_errno(), "no_new_privs")
     apply_rlimits(Limits(**req.limits), req.cgroup)
-    os.chdir(req.cwd)
-    os.environ.clear()
-    os.environ.update(req.env)
-    os.environ.pop("JPY_PARENT_PID", None)
+    _fresh_process({k: v for k, v in req.env.items() if k != "JPY_PARENT_PID"}, req.cwd)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2, *own):                         # the zygote's pipes: /dev/null now
         os.dup2(null, fd)
     os.write(report, f"pid {os.getpid()}".encode())
-    keep = {0, 1, 2, *own}
-    for name in os.listdir("/proc/self/fd"):
-        if int(name) not in keep:
-            try:
-                os.close(int(name))
-            except OSError:
-                pass
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    random.seed()
-    if "numpy" in sys.modules:                         # its global generator too (torch's is
-        sys.modules["numpy"].random.seed()             # seeded alike in every process)
-    tempfile.tempdir = None
-    sys.path[0] = os.getcwd()                          # as ``python -m`` in this folder
-    sys.path_importer_cache.clear()
-    importlib.invalidate_caches()
+    _close_fds_but({0, 1, 2, *own})
     sys.argv = ["-m", *req.argv[3:]]
     try:
         runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
@@ -186,6 +181,62 @@ def _become_kernel(req: StartKernel, report: int, own: List[int], libc) -> None:
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else 1
     os._exit(code)
+
+
+def fork_judges(req: ForkJudges, sock: socket.socket):
+    """Fork a lab's judge zygote (``python -m mgpu_lab.course.judge_pool``, as the grader
+    would start it, but with this zygote's imports done): ``Forked``, or ``Reply`` why not."""
+    _, fds, _, _ = socket.recv_fds(sock, 16, 3)
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return Reply(False, "JudgeError", "no pipes came with the request")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            os.dup2(fds[0], 0)
+            os.dup2(fds[1], 1)
+            os.dup2(os.open(os.devnull, os.O_RDWR), 2)
+            _close_fds_but({0, 1, 2, fds[2]})          # this zygote's pipes and socket too
+            _fresh_process(req.env, req.cwd)
+            sys.argv = ["-m", "--socket", str(fds[2])]
+            runpy.run_module("mgpu_lab.course.judge_pool", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else 1
+        finally:
+            os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    return Forked(pid)
+
+
+def _close_fds_but(keep) -> None:
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+
+
+def _fresh_process(env: Dict[str, str], cwd: str) -> None:
+    """What a fork keeps of this zygote that a new process in ``cwd`` with ``env`` would
+    not have: its environment, folder, seeds, SIGCHLD handler and import caches."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    random.seed()
+    if "numpy" in sys.modules:                         # its global generator too (torch's is
+        sys.modules["numpy"].random.seed()             # seeded alike in every process)
+    tempfile.tempdir = None
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    sys.path[0] = os.getcwd()                          # as ``python -m`` in this folder
+    sys.path_importer_cache.clear()
+    importlib.invalidate_caches()
 
 
 # --- the grader's side ----------------------------------------------------------------
@@ -223,16 +274,19 @@ class WarmKernels:
     answers a runner's ``StartKernel``."""
 
     def __init__(self, env: dict):
-        self.lock, self.broken = threading.Lock(), ""
+        self.env, self.lock, self.broken = env, threading.Lock(), ""
         self.home = tempfile.mkdtemp(prefix="mgpu-lab-warm-")
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:                            # importing while the first runner starts
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mgpu_lab.course.warm_kernel"], cwd=self.home, env=env,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                start_new_session=True)
+                [sys.executable, "-m", "mgpu_lab.course.warm_kernel", "--socket", str(theirs.fileno())],
+                cwd=self.home, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=(theirs.fileno(),))
             self.channel = Channel(self.proc.stdin, self.proc.stdout)
         except OSError as err:
             self.proc, self.broken = None, f"the warm zygote did not start ({err})"
+        finally:
+            theirs.close()
 
     def start(self, req: StartKernel, root: int, limits: dict, cgroup: bool,
               cgroups: List[str]) -> KernelStarted:
@@ -255,6 +309,40 @@ class WarmKernels:
                 return KernelStarted(None, self.broken)
             return reply
 
+    def fork_judges(self, env: dict, cwd: str, sock: socket.socket):
+        """A lab's judge zygote forked from this one (``env``, ``cwd``: the judge's;
+        ``sock``: its end of the judge pool's socket): a ``Popen``-like handle with its
+        pipes, or None (start one yourself: this zygote is gone, or its imports would not
+        be the judge's, with another ``PYTHONPATH``)."""
+        if env.get("PYTHONPATH") != self.env.get("PYTHONPATH"):
+            return None
+        child_in, grader_out = os.pipe()
+        grader_in, child_out = os.pipe()
+        try:
+            with self.lock:
+                if self.broken:
+                    reply = None
+                else:
+                    try:
+                        self.channel.send(ForkJudges(env, cwd))
+                        socket.send_fds(self.sock, [b"j"], [child_in, child_out, sock.fileno()])
+                        reply = self.channel.receive(monotonic() + START_TIMEOUT + 60)
+                    except (OSError, ValueError) as err:
+                        reply = err
+                    if not isinstance(reply, (Forked, Reply)):
+                        self.broken = f"the warm zygote failed ({reply or 'no answer'})"
+                        self._end()
+        finally:
+            os.close(child_in)
+            os.close(child_out)
+        if not isinstance(reply, Forked):
+            os.close(grader_out)
+            os.close(grader_in)
+            return None
+        proc = Adopted(reply.pid)
+        proc.stdin, proc.stdout = os.fdopen(grader_out, "wb"), os.fdopen(grader_in, "rb")
+        return proc
+
     def _end(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -268,6 +356,7 @@ class WarmKernels:
         with self.lock:
             self._end()
             self.proc, self.broken = None, "closed"
+        self.sock.close()
         shutil.rmtree(self.home, ignore_errors=True)
 
 
