@@ -49,11 +49,14 @@ setup() {
     # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options
     case "$TORCH_SPEC" in
       *" -"*)   # options (an index) for torch alone: torch first, then the rest from PyPI
-        "$PY" -m pip install --quiet $TORCH_SPEC
-        "$PY" -m pip install --quiet -e ".[$extras]" ;;
+        "$PY" -m pip install --quiet --no-compile $TORCH_SPEC
+        "$PY" -m pip install --quiet --no-compile -e ".[$extras]" ;;
       *)        # one resolution, not two: 64-73 s of set-up here against 75 s
-        "$PY" -m pip install --quiet $TORCH_SPEC -e ".[$extras]" ;;
+        "$PY" -m pip install --quiet --no-compile $TORCH_SPEC -e ".[$extras]" ;;
     esac
+    # Byte-compile what pip installed on every core (pip compiles one file at a time).
+    "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+      >/dev/null 2>&1 || true
     echo "$want" > "$stamp"
   fi
   # Build the font cache now, not in the first notebook cell that plots (its message would
