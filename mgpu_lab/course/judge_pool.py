@@ -32,7 +32,7 @@ from time import monotonic
 from typing import Dict, List, Optional
 
 from .judge import JudgeClient, JudgeError, JudgeProcess, limit_memory, run_setup, serve
-from .protocol import Channel, ChildPipe, Fork, Forked, Reply, Setup, child_pipe
+from .protocol import Channel, ChildPipe, Fork, Forked, Reply, Setup, child_pipe, forked_pipes
 
 
 # --- the zygote -------------------------------------------------------------------
@@ -143,27 +143,16 @@ class Zygote:
         return reply
 
     def fork(self, home: str) -> ForkedJudge:
-        child_in, grader_out = os.pipe()
-        grader_in, child_out = os.pipe()
-        try:
+        def ask(fds):
             with self.lock:
                 if self.proc.poll() is not None:
                     raise JudgeError("the judge's zygote has ended")
-                socket.send_fds(self.sock, [b"f"], [child_in, child_out])
-                reply = self._ask(Fork(home), "a fork")
-        except BaseException:
-            os.close(grader_out)
-            os.close(grader_in)
-            raise
-        finally:
-            os.close(child_in)
-            os.close(child_out)
-        if not isinstance(reply, Forked):
-            os.close(grader_out)
-            os.close(grader_in)
+                socket.send_fds(self.sock, [b"f"], fds)
+                return self._ask(Fork(home), "a fork")
+        reply, stdin, stdout = forked_pipes(ask)
+        if stdin is None:
             raise JudgeError(getattr(reply, "message", "") or "the zygote could not fork")
-        return ForkedJudge(reply.pid, os.fdopen(grader_out, "wb"), os.fdopen(grader_in, "rb"),
-                           self.timeout)
+        return ForkedJudge(reply.pid, stdin, stdout, self.timeout)
 
     def close(self) -> None:
         for kill in (lambda: os.killpg(self.proc.pid, signal.SIGKILL), self.proc.kill):

@@ -237,6 +237,27 @@ def child_pipe() -> ChildPipe:
 
 # --- the grader's side ------------------------------------------------------------
 
+def forked_pipes(ask):
+    """The pipes to a process that another one forks for us (a zygote): ``ask(fds)`` sends
+    the request with the child's two pipe ends and returns the reply. ``(reply, stdin,
+    stdout)``: our ends as files where the reply is ``Forked``, else ``(reply, None, None)``,
+    every end closed (also when ``ask`` raises)."""
+    child_in, ours_out = os.pipe()
+    ours_in, child_out = os.pipe()
+    reply = None
+    try:
+        reply = ask([child_in, child_out])
+    finally:
+        os.close(child_in)
+        os.close(child_out)
+        if not isinstance(reply, Forked):
+            os.close(ours_out)
+            os.close(ours_in)
+    if not isinstance(reply, Forked):
+        return reply, None, None
+    return reply, os.fdopen(ours_out, "wb"), os.fdopen(ours_in, "rb")
+
+
 class Channel:
     """The grader's end of a child's pipes: send a message, receive one by a deadline."""
 

@@ -49,7 +49,8 @@ from time import monotonic
 from typing import Dict, List, Optional
 
 from .kernel import Adopted
-from .protocol import Channel, ForkJudges, Forked, KernelStarted, Reply, StartKernel, child_pipe
+from .protocol import (Channel, ForkJudges, Forked, KernelStarted, Reply, StartKernel, child_pipe,
+                       forked_pipes)
 from .sandbox import Limits, apply_rlimits
 
 # torch._dynamo: DDP, FSDP, DTensor and a TorchDispatchMode import it on first use, about a
@@ -316,31 +317,26 @@ class WarmKernels:
         be the judge's, with another ``PYTHONPATH``)."""
         if env.get("PYTHONPATH") != self.env.get("PYTHONPATH"):
             return None
-        child_in, grader_out = os.pipe()
-        grader_in, child_out = os.pipe()
-        try:
+
+        def ask(fds):
             with self.lock:
                 if self.broken:
-                    reply = None
-                else:
-                    try:
-                        self.channel.send(ForkJudges(env, cwd))
-                        socket.send_fds(self.sock, [b"j"], [child_in, child_out, sock.fileno()])
-                        reply = self.channel.receive(monotonic() + START_TIMEOUT + 60)
-                    except (OSError, ValueError) as err:
-                        reply = err
-                    if not isinstance(reply, (Forked, Reply)):
-                        self.broken = f"the warm zygote failed ({reply or 'no answer'})"
-                        self._end()
-        finally:
-            os.close(child_in)
-            os.close(child_out)
-        if not isinstance(reply, Forked):
-            os.close(grader_out)
-            os.close(grader_in)
+                    return None
+                try:
+                    self.channel.send(ForkJudges(env, cwd))
+                    socket.send_fds(self.sock, [b"j"], fds + [sock.fileno()])
+                    reply = self.channel.receive(monotonic() + START_TIMEOUT + 60)
+                except (OSError, ValueError) as err:
+                    reply = err
+                if not isinstance(reply, (Forked, Reply)):
+                    self.broken = f"the warm zygote failed ({reply or 'no answer'})"
+                    self._end()
+                return reply
+        reply, stdin, stdout = forked_pipes(ask)
+        if stdin is None:
             return None
         proc = Adopted(reply.pid)
-        proc.stdin, proc.stdout = os.fdopen(grader_out, "wb"), os.fdopen(grader_in, "rb")
+        proc.stdin, proc.stdout = stdin, stdout
         return proc
 
     def _end(self) -> None:
