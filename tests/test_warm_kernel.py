@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not SANDBOX.available, reason=f"no sandbox: {SAN
 # What a process can see of its confinement; raised, so that it comes back as the
 # cell's error message (the run's raw outcome, before any report hides it). The one
 # difference left out: a cold kernel has JPY_PARENT_PID, by which ipykernel exits when
-# its parent (the runner) changes; a warm one's parent is the sandbox's init, and it
-# ends with the sandbox (warm_kernel.py).
+# its parent (the runner) changes; a warm one's parent is the init of the grader's PID
+# namespace, and it ends with the sandbox (warm_kernel.py).
 FACTS = r'''import ctypes, errno, hashlib, json, os, resource, socket, sys
 def _facts():
     status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)

@@ -11,14 +11,17 @@ before anything of the notebook runs:
 
 1. it joins the sandbox's cgroup(s) and namespaces (user, mount, network, IPC, UTS,
    cgroup, PID: ``setns``) and forks the kernel, which is then inside the sandbox's
-   PID namespace (its parent, outside, exits at once; the sandbox's init reaps it);
+   PID namespace (its parent, outside, exits at once; the init of the grader's own PID
+   namespace adopts it, as an orphan goes to its parent's namespace's reaper, and the
+   kernel, a member of the sandbox's PID namespace, is still killed when the sandbox's
+   init ends);
 2. the kernel becomes what bubblewrap makes of a process: its own session, no
    capability (bounding and ambient sets too) and ``no_new_privs``, the sandbox's
    rlimits, environment and folder, no file descriptor of the zygote's, stdio on
    ``/dev/null``; fresh import caches, ``random`` and numpy reseeded, ``SIGCHLD`` default;
 3. it runs ``ipykernel_launcher`` as ``python -m ipykernel_launcher -f FILE`` does,
    without ``JPY_PARENT_PID`` (ipykernel would end a kernel whose parent is not the
-   runner; a warm kernel's is the sandbox's init, and it ends with the sandbox).
+   runner; a warm kernel's is that init, and it ends with the sandbox).
 
 The judges' zygotes of the run (:mod:`.judge_pool`, one per lab, outside the sandbox:
 they hold the instructor's checks) start as forks of this zygote too (``ForkJudges``):
