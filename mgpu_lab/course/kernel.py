@@ -89,7 +89,7 @@ class Adopted:
         end = monotonic() + (timeout if timeout is not None else float("inf"))
         while self.poll() is None:
             if monotonic() > end:
-                raise subprocess.TimeoutExpired(f"kernel {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"process {self.pid} (not our child)", timeout)
             sleep(0.02)
         return self.returncode
 
