@@ -1,6 +1,7 @@
 """launch(): values, output order, crashes, hangs, no orphans, bad input."""
 import inspect
 import os
+import subprocess
 import threading
 import time
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import mgpu_lab
+import mgpu_lab.runtime.launch as launch_module
 from mgpu_lab import LaunchError, dist_env, launch
 
 
@@ -103,17 +105,38 @@ def test_a_hang_raises_timeout_naming_the_ranks_and_leaves_no_process(tmp_path, 
     assert any("test_launch.py" in line and " in fn" in line for line in stack), stack
 
 
-def test_no_process_is_left_after_a_crash(tmp_path):
+def test_no_process_is_left_after_a_crash(monkeypatch):
+    """Rank 0 crashes while rank 1 sleeps with a child of its own: nothing of the run is left.
+    The ranks are found from the launcher (the processes it started), not from files the ranks
+    write: rank 1 may die in gloo's connect before it runs a line, when rank 0 crashed first."""
+    started, real_start_ranks = [], launch_module.start_ranks
+
+    def recording_start_ranks(*args):
+        ports = real_start_ranks(*args)
+        started.extend(args[-1])  # the launcher's list of rank processes
+        return ports
+
+    monkeypatch.setattr(launch_module, "start_ranks", recording_start_ranks)
+
     def fn():
-        (tmp_path / str(dist.get_rank())).write_text(str(os.getpid()))
         if dist.get_rank() == 0:
             raise RuntimeError("crash")
+        subprocess.Popen(["sleep", "120"])  # in rank 1's process group
         time.sleep(120)  # rank 1 would never finish on its own
 
     with pytest.raises(LaunchError):
         launch(fn, nprocs=2, timeout=60)
-    pids = [int(f.read_text()) for f in tmp_path.iterdir()]
+    pids = [proc.pid for proc in started]
     assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    left = [p.pid for p in psutil.process_iter() if _group_of(p.pid) in pids and _alive(p.pid)]
+    assert not left, f"processes of the run still alive: {left}"
+
+
+def _group_of(pid: int):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def test_an_unpicklable_return_value_is_an_error():
