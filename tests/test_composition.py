@@ -16,8 +16,8 @@ has no call after backward: the wrappers finish their communication with it.
 Then DTensor models and pipeline stages (FSDP x TP on a 2 x 2 mesh, TP alone, two
 pipeline stages; accumulation over uneven micro-batches, bf16 autocast, clipping, a
 scheduler), each saved, killed and resumed on *another* layout (4 ranks to 2 and back,
-one-file and sharded checkpoints), against one process on the full batch; and README's
-loop on a mesh, extracted from README.md, resumed on another layout.
+one-file and sharded checkpoints), against one process on the full batch; and the library
+guide's loop on a mesh, extracted from docs/LIBRARY.md, resumed on another layout.
 """
 import os
 import signal
@@ -320,16 +320,16 @@ def test_dtensor_layouts_and_a_pipeline_train_as_one_process_and_resume_on_anoth
             assert off <= 1.5 * noise, f"{where}: {off:.3e} away from one process in bf16 (bf16's noise: {noise:.3e})"
 
 
-# --------------------------------------------------------------------------- README's loop on a mesh
+# --------------------------------------------------------------------------- docs/LIBRARY.md's loop on a mesh
 
-def _readme_mesh_loop(dp, tp, samples, path):
-    """README's "On a mesh" loop, as it reads, except: a save every 2 steps (not 100) and fp32 (the
+def _library_mesh_loop(dp, tp, samples, path):
+    """docs/LIBRARY.md's "On a mesh" loop, as it reads, except: a save every 2 steps (not 100) and fp32 (the
     autocast off, so that layouts agree to 1e-5)."""
     import re
     from torch.utils.data import TensorDataset
     from conftest import ROOT, TinyGPT, parallelize_gpt
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"\*\*On a mesh\*\*.*?```python\n(.*?)```", readme, re.S).group(1)
+    guide = (ROOT / "docs" / "LIBRARY.md").read_text()
+    block = re.search(r"^## On a mesh\n.*?```python\n(.*?)```", guide, re.S | re.M).group(1)
     block = block.replace("state.step % 100 == 0", "state.step % 2 == 0")
     block = block.replace("torch.autocast(device.type, dtype=autocast_dtype(device))",
                           "torch.autocast(device.type, enabled=False)")
@@ -340,9 +340,9 @@ def _readme_mesh_loop(dp, tp, samples, path):
              "lr_lambda": lambda step: 1.0 / (1 + step),
              "parallelize": lambda net, mesh: _parallelize_on(net, mesh, parallelize_gpt)}
     cwd = os.getcwd()
-    os.chdir(path)  # README saves to "ckpt"
+    os.chdir(path)  # the loop saves to "ckpt"
     try:
-        exec(compile(block, "README.md", "exec"), scope)
+        exec(compile(block, "docs/LIBRARY.md", "exec"), scope)
     finally:
         os.chdir(cwd)
     from mgpu_lab.training.state_dicts import merge_on_rank0, model_state
@@ -354,14 +354,14 @@ def _parallelize_on(net, mesh, parallelize_gpt):
     return parallelize_gpt(net, dp, tp)
 
 
-def test_readmes_mesh_loop_resumes_on_another_layout(tmp_path):
+def test_library_guides_mesh_loop_resumes_on_another_layout(tmp_path):
     full, cut = tmp_path / "full", tmp_path / "cut"
     for folder in (full, cut):
         folder.mkdir()
-    steps, uninterrupted = launch(_readme_mesh_loop, nprocs=4, args=(2, 2, 32, str(full)), timeout=300)[0]
+    steps, uninterrupted = launch(_library_mesh_loop, nprocs=4, args=(2, 2, 32, str(full)), timeout=300)[0]
     assert steps == 4
-    launch(_readme_mesh_loop, nprocs=4, args=(2, 2, 16, str(cut)), timeout=300)   # the data ends after step 2
-    steps, weights = launch(_readme_mesh_loop, nprocs=2, args=(1, 2, 32, str(cut)), timeout=300)[0]
+    launch(_library_mesh_loop, nprocs=4, args=(2, 2, 16, str(cut)), timeout=300)   # the data ends after step 2
+    steps, weights = launch(_library_mesh_loop, nprocs=2, args=(1, 2, 32, str(cut)), timeout=300)[0]
     assert steps == 4  # resumed at step 2 on tp=2 alone (K doubles), the same samples skipped
     for name, w in uninterrupted.items():
         torch.testing.assert_close(weights[name], w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

@@ -328,10 +328,10 @@ def test_no_notebook_in_a_submission_is_said_and_scores_zero(tmp_path):
 def test_a_grader_run_by_another_user_than_the_installer(public):
     """`mgpu-lab grade` as user nobody, with the environment root installed: it needs to
     read Python and its packages, the solutions and the class, and to write its outputs
-    and $TMPDIR (README, "Who may run the grader")."""
+    and $TMPDIR (docs/INSTRUCTORS.md, "Who may run the grader")."""
     python, folder = public
     if python is None:
-        pytest.skip("no Python here that user nobody can run (README says what it needs)")
+        pytest.skip("no Python here that user nobody can run (docs/INSTRUCTORS.md says what it needs)")
     work = folder / "work"
     (work / "solutions").mkdir(parents=True)
     shutil.copy(ROOT / "tests" / "data" / "grader" / "solutions" / "toy.ipynb", work / "solutions")

@@ -86,7 +86,7 @@ def rounds(lab):
     """``[{exercise: mutant, UNTOUCHED or None}]`` (None: its solution). First the tampering
     rounds: every exercise's tampering attempts side by side, with nothing else (a kernel
     one exercise tampered with can let another's wrong answer through a check that
-    observes the kernel: README's honour-level points). Then the other rounds: each
+    observes the kernel: docs/INSTRUCTORS.md's honour-level points). Then the other rounds: each
     exercise's other mutants, then its untouched cell, one per round."""
     ex = list(exercises(lab))
 

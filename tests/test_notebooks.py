@@ -215,12 +215,12 @@ def test_readme_lab_table_matches_the_notebooks():
     assert rows == want, f"README says {rows}, the notebooks have {want}"
 
 
-def test_readme_honour_level_table_lists_every_check_that_observes_the_kernel():
-    """README's honour-level table: one row per graded cell with ``observed`` metadata (lab
-    and points), and the total it states."""
+def test_instructors_honour_level_table_lists_every_check_that_observes_the_kernel():
+    """docs/INSTRUCTORS.md's honour-level table: one row per graded cell with ``observed`` metadata
+    (lab and points), and the total it states."""
     from mgpu_lab.course.cells import observed_of
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| lab, exercise | points | observed in the kernel"):]
+    guide = (ROOT / "docs" / "INSTRUCTORS.md").read_text()
+    table = guide[guide.index("| lab, exercise | points | observed in the kernel"):]
     table = table[:table.index("\n\n")]
     rows = sorted((lab, int(points)) for lab, points in re.findall(r"^  \| (\d\d) [^|]*\| (\d+) \|", table, re.M))
     want, total = [], 0
@@ -229,10 +229,11 @@ def test_readme_honour_level_table_lists_every_check_that_observes_the_kernel():
             total += cell.metadata["nbgrader"]["points"]
             if observed_of(cell):
                 want.append((path.stem[:2], cell.metadata["nbgrader"]["points"]))
-    assert rows == sorted(want), f"README's honour-level rows {rows}, the notebooks' observed cells {sorted(want)}"
+    assert rows == sorted(want), \
+        f"docs/INSTRUCTORS.md's honour-level rows {rows}, the notebooks' observed cells {sorted(want)}"
     honour = sum(p for _, p in want)
-    assert f"These cells hold {honour} of the course's {total:g}" in readme.replace("\n  ", " "), \
-        f"README should say: These cells hold {honour} of the course's {total:g} points"
+    assert f"These cells hold {honour} of the course's {total:g}" in guide.replace("\n  ", " "), \
+        f"docs/INSTRUCTORS.md should say: These cells hold {honour} of the course's {total:g} points"
 
 
 def _resolves(dotted: str) -> bool:

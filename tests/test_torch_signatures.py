@@ -1,7 +1,7 @@
 """Each class called exactly as torch's (or Megatron's) documentation calls its counterpart, and torch's
 own test cases adapted: the class swapped, the cases and the asserted values kept (rewritten here; the
-torch test each one adapts is named in its docstring). Where mgpu_lab differs on purpose, README's
-Decisions says so, and the test checks the difference.
+torch test each one adapts is named in its docstring). Where mgpu_lab differs on purpose,
+docs/DECISIONS.md says so, and the test checks the difference.
 
 torch's documented calls: ``DDP(model, device_ids=[rank])`` (the DDP tutorial), ``DDP(model,
 process_group=pg, bucket_cap_mb=25)``; ``ZeroRedundancyOptimizer(ddp.parameters(),

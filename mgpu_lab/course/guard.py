@@ -6,7 +6,7 @@ static half reads only patterns, and the run-time half lives in the learner's ow
 process, where code that is not a notebook cell (``exec`` of a string, a thread, a
 module written to disk) or the guard's own state can reach past it. What a score rests
 on is the judge's verdict on data only a working implementation produces
-(:mod:`mgpu_lab.course.judge`, README's "A score is evidence").
+(:mod:`mgpu_lab.course.judge`, docs/INSTRUCTORS.md's "A score is evidence").
 
 A from-scratch exercise declares, on the instructor's graded cell, the references it
 re-implements::

@@ -252,7 +252,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                               config, float(config["limit"]) - RESERVE
                                               - (monotonic() - start))
     except RuntimeError as err:          # the grader cannot run here: the instructor's to fix
-        why = f"the grader cannot run here: {err}; see mgpu-lab's README (Gradescope)"
+        why = f"the grader cannot run here: {err}; see mgpu-lab's docs/INSTRUCTORS.md (Platforms)"
         write_results(results, {"score": 0.0, "output": why, "tests": []}
                       if args.platform == "gradescope"
                       else {"gradable": False, "message": why, "format_errors": [why]})

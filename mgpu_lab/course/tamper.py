@@ -22,7 +22,7 @@ this pass flags, in every code cell the learner wrote or edited:
 - a solution that reads a check's inputs (``batch``) as a global instead of
   taking them as arguments.
 
-It is a list of patterns, not a proof: the README says what it does not catch.
+It is a list of patterns, not a proof: docs/INSTRUCTORS.md says what it does not catch.
 """
 from __future__ import annotations
 

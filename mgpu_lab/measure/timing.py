@@ -112,7 +112,7 @@ class Table:
 
 
 def print_json(benchmark: str, tables: Sequence[Table] = (), **summary: Any) -> None:
-    """The last line of every benchmark: one JSON object, for tools and for the README."""
+    """The last line of every benchmark: one JSON object, for tools and for docs/BENCHMARKS.md."""
     record = {"benchmark": benchmark, **summary,
               "tables": {t.title: t.as_records() for t in tables}}
     print(json.dumps(record, default=str))
