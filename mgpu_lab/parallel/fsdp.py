@@ -26,7 +26,11 @@ the *root* unit, gathered for the whole forward and the whole backward. A
 parameter reachable from two units (tied weights: the output head sharing the
 embedding) also goes to the root unit, so it is gathered once and its gradient
 (both uses summed by autograd) reduce-scattered once; ``units`` reports where each
-parameter went. A unit must run at most once per forward. Within a unit, the
+parameter went. A unit may run several times in one forward (a layer applied
+twice, a block shared by two paths), as with ``fully_shard``: each call gathers the
+parameters and frees them, each call's backward gathers them again and
+reduce-scatters its part of the gradient, and the parts add up in the shard's
+``.grad`` (k calls cost k times the communication). Within a unit, the
 parameters sharing ``requires_grad`` are one :class:`~mgpu_lab.parallel.flat_param.FlatGroup`;
 frozen parameters are sharded and gathered too, but never reduced.
 
@@ -61,6 +65,7 @@ parameters in every step (as FSDP2 requires).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import contextmanager
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -133,9 +138,9 @@ class FSDP(nn.Module):
                 if entries:
                     groups.append(FlatGroup(uname, entries, rg, self._comm, param_dtype, reduce_dtype))
             self._units.append((uname, u, groups))
-            if u is not None and groups:
-                u.register_forward_pre_hook(self._pre_forward(groups), with_kwargs=True)
-                u.register_forward_hook(self._post_forward(groups))
+            if u is not None and groups:  # bound methods, not closures: the model pickles
+                u.register_forward_pre_hook(functools.partial(self._pre_forward, groups), with_kwargs=True)
+                u.register_forward_hook(functools.partial(self._post_forward, groups))
         self._shards = nn.ParameterList([g.shard for _, _, gs in self._units for g in gs])
         for _, u, gs in self._units:  # reachable from the plain module too, as fully_shard keeps them:
             for g in gs:              # an optimizer over net.parameters() gets the same shards
@@ -145,7 +150,6 @@ class FSDP(nn.Module):
             for b in module.buffers():
                 dist.broadcast(b, src=self._comm.src, group=process_group)
         self._backward_started = False
-        self._ran = None
 
     # --------------------------------------------------------------- introspection
     @property
@@ -163,19 +167,10 @@ class FSDP(nn.Module):
         return self._comm.bytes
 
     # --------------------------------------------------------------- hooks
-    def _pre_forward(self, groups):
-        def hook(module, args, kwargs):
-            if self._ran is not None:
-                if id(module) in self._ran:
-                    raise RuntimeError(
-                        f"FSDP unit '{groups[0].unit}' ran twice in one forward: its second backward would "
-                        "need the parameters the first one already freed. Make the module that calls it "
-                        "twice the unit (units=[...]), or leave it out of units (the root unit).")
-                self._ran.add(id(module))
-            for g in groups:
-                g.gather()
-            return self._cast((args, kwargs), f"the input of unit '{groups[0].unit}'")
-        return hook
+    def _pre_forward(self, groups, module, args, kwargs):
+        for g in groups:
+            g.gather()
+        return self._cast((args, kwargs), f"the input of unit '{groups[0].unit}'")
 
     def _cast(self, tree, what: str):
         """Floating-point tensors in ``tree`` to ``param_dtype`` (FSDP2's cast_forward_inputs)."""
@@ -184,14 +179,14 @@ class FSDP(nn.Module):
         _leaves(tree, what)
         return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, tree)
 
-    def _post_forward(self, groups):
-        def hook(module, args, output):
-            for g in groups:
-                g.free()
-            self._register_pre_backward(output, groups, f"the output of unit '{groups[0].unit}'")
-        return hook
+    def _post_forward(self, groups, module, args, output):
+        self._release(output, groups, f"the output of unit '{groups[0].unit}'")
 
-    def _register_pre_backward(self, output, groups, what: str) -> None:
+    def _release(self, output, groups, what: str) -> None:
+        """Free this call's full parameters; hook its output so its backward gathers them again."""
+        fulls = [g.full for g in groups]  # this call's buffers (the unit may run again)
+        for g in groups:
+            g.free()
         leaves = [output] if isinstance(output, torch.Tensor) else _leaves(output, what)  # the usual case: fast
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
@@ -199,8 +194,8 @@ class FSDP(nn.Module):
             if not self._backward_started:  # once per backward: finish everything at its end
                 self._backward_started = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            for g in groups:
-                g.regather()
+            for g, full in zip(groups, fulls):
+                g.regather(full)
             return grad
         for t in tensors:
             t.register_hook(pre_backward)
@@ -208,7 +203,7 @@ class FSDP(nn.Module):
     def _end_of_backward(self) -> None:
         self._backward_started = False
         for g in self.flat_groups:
-            g.free()
+            g.free_all()
         self.finish_gradient_synchronization()
 
     # --------------------------------------------------------------- public
@@ -217,15 +212,9 @@ class FSDP(nn.Module):
         root = self._units[0][2]
         for g in root:
             g.gather()
-        self._ran = set()  # units entered during this forward
-        try:
-            args, kwargs = self._cast((args, kwargs), "the input")
-            out = self.module(*args, **kwargs)
-        finally:
-            self._ran = None
-        for g in root:
-            g.free()
-        self._register_pre_backward(out, root, "the output")
+        args, kwargs = self._cast((args, kwargs), "the input")
+        out = self.module(*args, **kwargs)
+        self._release(out, root, "the output")
         return out
 
     def finish_gradient_synchronization(self) -> None:
