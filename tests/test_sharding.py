@@ -422,6 +422,62 @@ def test_a_unit_that_runs_twice_in_one_forward_matches_ddp_and_fully_shard():
         assert storage == 0  # every gathered buffer freed after backward, the frozen group's included
 
 
+class _Four(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(self.a(x))))))
+
+
+def _grouped_cases():
+    """units=[[a, b], c] against fully_shard([a, b]), fully_shard(c), fully_shard(root): one flat group
+    for a and b, gathered once in forward and once in backward; the same gradients and parameters."""
+    import io
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 4), torch.randn(8, 2 * 2)
+    lo, hi = rank * 8 // world, (rank + 1) * 8 // world
+    net = _Four(seed=rank)
+    ours = FSDP(net, units=[[net.a, net.b], net.c])
+    theirs = _Four()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard([theirs.a, theirs.b], mesh=mesh)
+    fully_shard(theirs.c, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    gathers = []
+    gather = ours._comm.all_gather
+    ours._comm.all_gather = lambda out, shard: (gathers.append(out.numel()), gather(out, shard))
+    for model in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+            opt.step()
+    ours._comm.all_gather = gather
+    theirs_full = {n: p.full_tensor() for n, p in theirs.named_parameters()}
+    full = ours.gather_full_params()
+    pickled = error_text(lambda: torch.save(ours, io.BytesIO()))
+    torch_pickled = error_text(lambda: torch.save(theirs, io.BytesIO()))
+    return dict(units=ours.units, gathers=gathers, diff={n: (full[n] - p).abs().max().item()
+                                                         for n, p in theirs_full.items()},
+                pickled=pickled, torch_pickled=torch_pickled)
+
+
+def test_a_list_of_modules_is_one_unit_as_fully_shard_of_a_list():
+    for r in launch(_grouped_cases, nprocs=2, timeout=120):
+        assert r["units"] == {"<root>": ["d.weight", "d.bias"], "a+b": ["a.weight", "a.bias", "b.weight", "b.bias"],
+                              "c": ["c.weight", "c.bias"]}
+        assert r["gathers"] == [20, 40, 20, 20, 20, 40] * 2  # forward: root, a+b, c; backward: root, c, a+b
+        assert max(r["diff"].values()) < 1e-6, r["diff"]
+        assert "does not pickle" in r["pickled"] and "state_dict" in r["pickled"]
+        assert r["torch_pickled"] is not None  # torch's fully_shard model does not pickle either
+
+
 def _gpu_fsdp():
     model, _ = backward_on_this_gpu(FSDP, BATCH, SEQ)
     return max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
