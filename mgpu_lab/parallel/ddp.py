@@ -78,6 +78,7 @@ from torch._utils import _unflatten_dense_tensors
 from torch.utils._pytree import tree_map_only
 
 from ..runtime.distributed import global_rank, require_process_group
+from .grad_bucket import GradBucket
 
 _live_wrapper: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
@@ -315,37 +316,6 @@ def _write_grad(p: nn.Parameter, value: torch.Tensor) -> None:
         p.grad = value.view_as(p).clone()
     else:
         p.grad.copy_(value.view_as(p.grad))
-
-
-class GradBucket:
-    """What a communication hook receives, as ``torch.distributed.GradBucket`` (whose C++
-    class cannot be built from Python): ``index()``, ``buffer()`` (the flat gradients, or one
-    sparse gradient), ``gradients()`` (views of it, one per parameter), ``parameters()``,
-    ``is_last()``, ``set_buffer(tensor)``."""
-
-    def __init__(self, index: int, count: int, buffer: torch.Tensor, params):
-        self._index, self._count, self._buffer, self._params = index, count, buffer, list(params)
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def set_buffer(self, buffer: torch.Tensor) -> None:
-        self._buffer = buffer
-
-    def parameters(self) -> List[torch.Tensor]:
-        return self._params
-
-    def is_last(self) -> bool:
-        return self._index == self._count - 1
-
-    def gradients(self) -> List[torch.Tensor]:
-        if self._buffer.is_sparse:
-            return [self._buffer]
-        sizes = [p.numel() for p in self._params]
-        return [v.view_as(p) for v, p in zip(self._buffer.split(sizes), self._params)]
 
 
 class _Bucket:
