@@ -307,3 +307,80 @@ def test_wrapping_a_module_again_leaves_no_hooks_of_the_first_wrapper():
         for r in res.values():
             assert r["diff"] < 1e-6, r
             assert "replaced by a newer wrapper" in r["old"], r
+
+
+def _mean_hook(state, bucket):
+    """A custom hook as torch's docs write one: all-reduce the buffer, divide, record the bucket."""
+    state.append((bucket.index(), bucket.is_last(), len(bucket.parameters()), len(bucket.gradients())))
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+
+
+def _comm_hook_cases():
+    """Each wrapper with torch's allreduce_hook, fp16_compress_hook and a custom hook, against torch DDP
+    with the same hook; TiedNet (frozen layer, tied weights), two steps."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    out = {}
+    hooks = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+             "custom": _mean_hook}
+    for hook_name, hook in hooks.items():
+        for name, cls in {"torch": DistributedDataParallel, "naive": NaiveDDP, "bucketed": BucketedDDP}.items():
+            net = TiedNet(seed=rank)
+            model = cls(net)
+            state = [] if hook_name == "custom" else None
+            model.register_comm_hook(state, hook)
+            opt = _optimizer("sgd", model.parameters())
+            for x, y in token_batches(2, BATCH, SEQ):
+                opt.zero_grad()
+                lm_loss(model, x[lo:hi], y[lo:hi]).backward()
+                opt.step()
+            out[hook_name, name] = dict(net.named_parameters())
+            if state is not None:
+                out["calls", name] = state
+            out["twice", name] = error_text(lambda: model.register_comm_hook(None, hook), RuntimeError)
+    return out
+
+
+def test_register_comm_hook_as_torch_ddp():
+    for res in launch(_comm_hook_cases, nprocs=2, timeout=120):
+        for hook in ("allreduce", "fp16", "custom"):
+            for name in ("naive", "bucketed"):
+                for n, p in res[hook, "torch"].items():
+                    tol = dict(atol=1e-3, rtol=1e-3) if hook == "fp16" else {}
+                    torch.testing.assert_close(res[hook, name][n], p, **tol, msg=lambda m: f"{hook} {name} {n}: {m}")
+        assert res["calls", "bucketed"] == [(0, True, 3, 3)] * 2  # one bucket (25 MiB), once per step
+        assert len(res["calls", "naive"]) == 2 * 3  # a bucket per trainable parameter
+        for name in ("naive", "bucketed"):
+            assert "can only be called once" in res["twice", name]
+
+
+def _pickle_cases():
+    import io
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+    out = {}
+    for name, cls in {"torch": DistributedDataParallel, "naive": NaiveDDP, "bucketed": BucketedDDP}.items():
+        buf = io.BytesIO()
+        torch.save(cls(TiedNet(seed=rank)), buf)  # torch.save(model), as torch DDP allows
+        buf.seek(0)
+        model = torch.load(buf, weights_only=False)
+        opt = _optimizer("adam", model.parameters())
+        for x, y in token_batches(2, BATCH, SEQ):
+            opt.zero_grad()
+            lm_loss(model, x[lo:hi], y[lo:hi]).backward()
+            opt.step()
+        out[name] = dict(model.module.named_parameters())
+    group = dist.new_group([0, 1])
+    out["group"] = error_text(lambda: torch.save(BucketedDDP(TiedNet(), process_group=group), io.BytesIO()),
+                              RuntimeError)
+    return out
+
+
+def test_a_wrapped_model_pickles_and_trains_after_loading_as_torch_ddp():
+    for res in launch(_pickle_cases, nprocs=2, timeout=120):
+        for name in ("naive", "bucketed"):
+            for n, p in res["torch"].items():
+                torch.testing.assert_close(res[name][n], p, msg=lambda m: f"{name} {n}: {m}")
+        assert "default process group" in res["group"]

@@ -331,9 +331,6 @@ def _fsdp_errors():
     torch.manual_seed(0)
     nested = nn.Sequential(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)), nn.Linear(2, 2))
     res["nested"] = FSDP(nested, units=[nested[0], nested[0][1]]).units
-    twice = FSDP(nn.Sequential(nn.Linear(2, 2)))
-    twice.module.forward = lambda x: twice.module[0](twice.module[0](x))  # one unit, called twice
-    res["twice"] = error_text(lambda: twice(torch.ones(1, 2)), RuntimeError)
     grads = _full_grads(model)
     # every rank ran the same input: the average is the local gradient
     res["grad_diff"] = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
@@ -347,12 +344,138 @@ def test_fsdp_explicit_units_and_bad_input():
         assert "nn.Module" in res["module"]
         assert "optimizer_class" in res["optimizer"]
         assert "groups" in res["load"]
-        assert "ran twice in one forward" in res["twice"], res["twice"]
         assert res["units"] == {"0": ["0.weight", "0.bias"], "2": ["2.weight", "2.bias"],
                                 "4": ["4.weight", "4.bias"]}
         assert res["grad_diff"] < 1e-6
         assert res["nested"] == {"<root>": ["1.weight", "1.bias"], "0": ["0.0.weight", "0.0.bias"],
                                  "0.1": ["0.1.weight", "0.1.bias"]}, res["nested"]  # the innermost unit
+
+
+class _Twice(nn.Module):
+    """A block applied twice in one forward (with a frozen layer inside), then a head
+    that sees the block's output and its input again (a shared path)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.block[2].requires_grad_(False)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.block(self.block(x))
+        return self.head(h) + self.head(x)
+
+
+def _twice_cases():
+    """fully_shard supports a unit that runs twice in one forward (torch's test_fully_shard_training
+    multi-forward cases compare it with DDP): ours, torch's fully_shard, torch DDP and one process
+    on the full batch, each two SGD steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    lo, hi = rank * 8 // world, (rank + 1) * 8 // world
+    ref, ddp_net = _Twice(), _Twice()
+    ours = FSDP(_Twice(seed=rank))  # units: block and head, each run twice
+    net = _Twice(seed=rank)
+    ours_inner = FSDP(net, units=[net.block[0]])  # a Linear inside the block; the rest in the root
+    theirs = _Twice()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(theirs.block, mesh=mesh)
+    fully_shard(theirs.head, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    ddp = DistributedDataParallel(ddp_net)
+    models = {"ref": ref, "ours": ours, "ours_inner": ours_inner, "fully_shard": theirs, "ddp": ddp}
+    opts = {k: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for k, m in models.items()}
+    grads = {}
+    for step in range(2):
+        for k, m in models.items():
+            opts[k].zero_grad()
+            xs, ys = (x, y) if k == "ref" else (x[lo:hi], y[lo:hi])
+            nn.functional.mse_loss(m(xs), ys).backward()
+            if step == 0:
+                if isinstance(m, FSDP):
+                    grads[k] = _full_grads(m)
+                else:
+                    grads[k] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                                for n, p in m.named_parameters() if p.grad is not None}
+                    grads[k] = {n.removeprefix("module."): g for n, g in grads[k].items()}
+            opts[k].step()
+    params = {k: (m.gather_full_params() if isinstance(m, FSDP) else
+                  {n.removeprefix("module."): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                   for n, p in m.named_parameters()}) for k, m in models.items()}
+    storage = max(g.full.untyped_storage().nbytes() for m in (ours, ours_inner) for g in m.flat_groups)
+    return grads, params, storage
+
+
+def test_a_unit_that_runs_twice_in_one_forward_matches_ddp_and_fully_shard():
+    for grads, params, storage in launch(_twice_cases, nprocs=2, timeout=120):
+        assert sorted(grads["ref"]) == ["block.0.bias", "block.0.weight", "head.bias", "head.weight"]
+        for k in ("ours", "ours_inner", "fully_shard", "ddp"):
+            assert sorted(grads[k]) == sorted(grads["ref"]), k
+            for n, g in grads["ref"].items():
+                torch.testing.assert_close(grads[k][n], g, msg=lambda m: f"{k} grad {n}: {m}")
+            for n, p in params["ref"].items():
+                torch.testing.assert_close(params[k][n], p, msg=lambda m: f"{k} param {n}: {m}")
+        assert storage == 0  # every gathered buffer freed after backward, the frozen group's included
+
+
+class _Four(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(self.a(x))))))
+
+
+def _grouped_cases():
+    """units=[[a, b], c] against fully_shard([a, b]), fully_shard(c), fully_shard(root): one flat group
+    for a and b, gathered once in forward and once in backward; the same gradients and parameters."""
+    import io
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 4), torch.randn(8, 2 * 2)
+    lo, hi = rank * 8 // world, (rank + 1) * 8 // world
+    net = _Four(seed=rank)
+    ours = FSDP(net, units=[[net.a, net.b], net.c])
+    theirs = _Four()
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard([theirs.a, theirs.b], mesh=mesh)
+    fully_shard(theirs.c, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    gathers = []
+    gather = ours._comm.all_gather
+    ours._comm.all_gather = lambda out, shard: (gathers.append(out.numel()), gather(out, shard))
+    for model in (ours, theirs):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+            opt.step()
+    ours._comm.all_gather = gather
+    theirs_full = {n: p.full_tensor() for n, p in theirs.named_parameters()}
+    full = ours.gather_full_params()
+    pickled = error_text(lambda: torch.save(ours, io.BytesIO()))
+    torch_pickled = error_text(lambda: torch.save(theirs, io.BytesIO()))
+    return dict(units=ours.units, gathers=gathers, diff={n: (full[n] - p).abs().max().item()
+                                                         for n, p in theirs_full.items()},
+                pickled=pickled, torch_pickled=torch_pickled)
+
+
+def test_a_list_of_modules_is_one_unit_as_fully_shard_of_a_list():
+    for r in launch(_grouped_cases, nprocs=2, timeout=120):
+        assert r["units"] == {"<root>": ["d.weight", "d.bias"], "a+b": ["a.weight", "a.bias", "b.weight", "b.bias"],
+                              "c": ["c.weight", "c.bias"]}
+        assert r["gathers"] == [20, 40, 20, 20, 20, 40] * 2  # forward: root, a+b, c; backward: root, c, a+b
+        assert max(r["diff"].values()) < 1e-6, r["diff"]
+        assert "does not pickle" in r["pickled"] and "state_dict" in r["pickled"]
+        assert r["torch_pickled"] is not None  # torch's fully_shard model does not pickle either
 
 
 def _gpu_fsdp():

@@ -183,6 +183,51 @@ def test_parallel_mlp_equals_torch_parallelize_module():
             assert d < TOL, f"rank {rank}: {name} differs from parallelize_module's by {d:.3g}"
 
 
+def _frozen_versus_parallelize_module():
+    """A frozen fc1 weight and fc2 bias stay frozen, as under torch's ColwiseParallel/RowwiseParallel
+    (the same requires_grad); output and gradients equal the unsharded MLP's (None where frozen)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+    ref[0].weight.requires_grad_(False)
+    ref[2].bias.requires_grad_(False)
+    ours = nn.Sequential(ColumnParallelLinear.from_linear(ref[0]), nn.GELU(), RowParallelLinear.from_linear(ref[2]))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    theirs = parallelize_module(copy.deepcopy(ref), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for model in (ref, ours):
+        model(_randn(B, S, H, seed=1)).backward(_randn(B, S, H, seed=2))
+    n, r = dist.get_world_size(), dist.get_rank()
+    local = {"0.bias": ref[0].bias.grad.chunk(n)[r], "2.weight": ref[2].weight.grad.chunk(n, 1)[r]}
+    return dict(
+        requires_grad={name: {k: p.requires_grad for k, p in m.named_parameters()}
+                       for name, m in (("ours", ours), ("theirs", theirs))},
+        y=(ours(_randn(B, S, H, seed=1)) - ref(_randn(B, S, H, seed=1))).abs().max().item(),
+        grads={k: None if p.grad is None else (p.grad - local[k]).abs().max().item()
+               for k, p in ours.named_parameters()})
+
+
+def test_from_linear_keeps_a_frozen_weight_frozen_as_colwise_rowwise_parallel():
+    for out in launch(_frozen_versus_parallelize_module, nprocs=2, timeout=120):
+        assert out["requires_grad"]["ours"] == out["requires_grad"]["theirs"] == {
+            "0.weight": False, "0.bias": True, "2.weight": True, "2.bias": False}
+        assert out["y"] < TOL
+        assert out["grads"]["0.weight"] is None and out["grads"]["2.bias"] is None, out["grads"]
+        assert out["grads"]["0.bias"] < TOL and out["grads"]["2.weight"] < TOL, out["grads"]
+
+
+def _embedding_refused():
+    return [str(pytest.raises(TypeError, cls.from_linear, nn.Embedding(8, 4)).value)
+            for cls in (ColumnParallelLinear, RowParallelLinear)]
+
+
+def test_an_embedding_is_refused_naming_torchs_colwise_and_rowwise_parallel():
+    col, row = launch(_embedding_refused, nprocs=2, timeout=60)[0]
+    assert "nn.Embedding" in col and "parallelize_module" in col and "ColwiseParallel()" in col
+    assert "RowwiseParallel()" in row
+
+
 def _bad_sizes():
     errors = []
     for make in (lambda: ColumnParallelLinear(8, 5),

@@ -36,6 +36,10 @@ moved there in forward; leave them out for a CPU module, as torch asks). As torc
 DDP, a module without a parameter that requires grad is refused, and
 ``_set_params_and_buffers_to_ignore_for_model`` names parameters and buffers
 neither broadcast nor averaged.
+``register_comm_hook(state, hook)`` replaces the all-reduce by torch's hook
+signature (``torch.distributed.algorithms.ddp_comm_hooks`` works), sparse gradients
+(``nn.Embedding(sparse=True)``) are averaged as torch DDP does, and a wrapper on the
+default process group pickles (``torch.save(model)``; unpickling registers the hooks).
 
 Finishing with backward: a hook on each parameter
 (``register_post_accumulate_grad_hook``) runs when its gradient is complete. The
@@ -62,6 +66,7 @@ process group's timeout (gloo honours it; NCCL's watchdog enforces it).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import contextmanager
 from typing import Dict, Iterator, List
@@ -73,6 +78,7 @@ from torch._utils import _unflatten_dense_tensors
 from torch.utils._pytree import tree_map_only
 
 from ..runtime.distributed import global_rank, require_process_group
+from .grad_bucket import GradBucket
 
 _live_wrapper: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
@@ -108,12 +114,33 @@ class _DataParallelBase(nn.Module):
         self._pending = False                     # gradients accumulated since the last sync
         self._callback_queued = False
         self._retired = False
-        previous = _live_wrapper.get(module)
+        self._comm_hook = None  # (state, hook) once register_comm_hook is called
+        self._attach()
+
+    def _attach(self) -> None:
+        """Hook every parameter (retiring an older wrapper of the same module)."""
+        previous = _live_wrapper.get(self.module)
         if previous is not None and previous() is not None:
             previous()._retire()
-        _live_wrapper[module] = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+        _live_wrapper[self.module] = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._param_hook, i))
                        for i, p in enumerate(self._params)]
+
+    def __getstate__(self):
+        """Pickling (``torch.save(model)``), as torch DDP: the default process group only; the
+        hooks are left out and registered again on unpickling, which needs a process group."""
+        if self.process_group is not None and self.process_group != dist.group.WORLD:
+            raise RuntimeError(f"{type(self).__name__}: pickling is only supported with the default process "
+                               "group (as torch DDP): save model.module, or its state_dict()")
+        state = dict(self.__dict__)
+        state.pop("_hooks")
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        require_process_group(type(self).__name__)
+        self._callback_queued = False
+        self._attach()
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
@@ -197,20 +224,39 @@ class _DataParallelBase(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    def register_comm_hook(self, state: object, hook) -> None:
+        """torch DDP's: ``hook(state, bucket) -> torch.futures.Future[Tensor]`` replaces the
+        all-reduce of each bucket (NaiveDDP: each gradient). ``bucket`` is a :class:`GradBucket`;
+        its buffer holds this rank's gradients, *not* divided by the world size; the future's
+        tensor (same shape) is written into ``.grad`` as it is. torch's
+        ``default_hooks.allreduce_hook`` (with ``state`` the process group or None) averages,
+        as no hook does; ``fp16_compress_hook`` sends half the bytes. Once only, as torch's."""
+        if not callable(hook):
+            raise TypeError("Communication hook must be callable.")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._comm_hook = (state, hook)
+
+    def _run_comm_hook(self, index: int, count: int, buffer: torch.Tensor, params) -> torch.futures.Future:
+        state, hook = self._comm_hook
+        fut = hook(state, GradBucket(index, count, buffer, params))
+        if not isinstance(fut, torch._C.Future):  # torch.futures.Future, or what Work.get_future() gives
+            raise TypeError(f"the communication hook returned {type(fut).__name__}, not a "
+                            "torch.futures.Future[torch.Tensor] (torch's rule too)")
+        return fut
+
     # ------------------------------------------------------------------ backward
-    def _make_hook(self, i: int):
-        def hook(param: torch.Tensor) -> None:
-            # Runs once per backward per parameter object, after its gradient
-            # (all uses of a tied weight summed) is in param.grad.
-            self._used[i] = True
-            self._pending = True
-            if not self.require_backward_grad_sync:
-                return
-            if not self._callback_queued:  # the first ready gradient of this backward
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._grad_ready(i)
-        return hook
+    def _param_hook(self, i: int, param: torch.Tensor) -> None:
+        """Runs once per backward per parameter object, after its gradient
+        (all uses of a tied weight summed) is in param.grad."""
+        self._used[i] = True
+        self._pending = True
+        if not self.require_backward_grad_sync:
+            return
+        if not self._callback_queued:  # the first ready gradient of this backward
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._grad_ready(i)
 
     def _grad_ready(self, i: int) -> None:
         """Parameter i's gradient is complete in a synchronised backward (BucketedDDP launches here)."""
@@ -247,29 +293,52 @@ class NaiveDDP(_DataParallelBase):
         if self._params:
             used = torch.tensor(self._used, dtype=torch.float32, device=self._params[0].device)
             dist.all_reduce(used, group=self.process_group)  # waits; bounded by the group's timeout
-            for p, anyone in zip(self._params, used.tolist()):
+            for i, (p, anyone) in enumerate(zip(self._params, used.tolist())):
                 if not anyone:  # no rank used it: its grad stays as it is
                     continue
                 if p.grad is None:  # unused on this rank only: contribute zeros
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.process_group)
+                if self._comm_hook is not None:  # a bucket of one gradient
+                    buffer = p.grad if p.grad.is_sparse else p.grad.reshape(-1)
+                    result = self._run_comm_hook(i, len(self._params), buffer, [p]).wait()
+                    _write_grad(p, result)
+                    continue
+                dist.all_reduce(p.grad, group=self.process_group)  # sparse too: gloo and NCCL take one
                 p.grad.div_(self.world_size)
         self._reset()
 
 
+def _write_grad(p: nn.Parameter, value: torch.Tensor) -> None:
+    """``value`` (flat, or sparse) as ``p``'s gradient."""
+    if value.is_sparse:
+        p.grad = value
+    elif p.grad is None or p.grad.is_sparse:
+        p.grad = value.view_as(p).clone()
+    else:
+        p.grad.copy_(value.view_as(p.grad))
+
+
 class _Bucket:
-    def __init__(self, indices: List[int], params: List[nn.Parameter]):
-        self.indices, self.params = indices, params
+    def __init__(self, indices: List[int], params: List[nn.Parameter], sparse: bool = False):
+        self.indices, self.params, self.sparse = indices, params, sparse
         self.ready = 0     # gradients complete in this synchronised backward
-        self.work = None   # the all-reduce in flight
+        self.work = None   # the all-reduce in flight (or the comm hook's future)
+        self.flags = None  # with a comm hook: the used flags' own all-reduce (work, tensor)
         self.parts: List[torch.Tensor] = []  # what was flattened: the gradients, then the used flags
         self.flat = None   # kept from step to step: a fresh gradient-sized buffer would cost page faults
 
 
-def _sparse_message(what: str) -> str:
-    return (f"BucketedDDP flattens gradients into dense buckets and cannot carry the sparse gradient of {what}: "
-            "use NaiveDDP or torch's DistributedDataParallel (both all-reduce a sparse gradient as it is), "
-            "or a dense embedding (sparse=False)")
+def _sparse_params(module: nn.Module) -> set:
+    """ids of the weights torch DDP expects a sparse gradient for: ``nn.Embedding``/``EmbeddingBag``
+    with ``sparse=True`` (its ``expect_sparse_gradient``)."""
+    return {id(m.weight) for m in module.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+
+
+def _empty_sparse(p: nn.Parameter) -> torch.Tensor:
+    """No rows: an embedding's sparse gradient on a rank that did not use it."""
+    return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.long, device=p.device),
+                                   p.new_empty((0,) + p.shape[1:]), p.shape)
 
 
 class BucketedDDP(_DataParallelBase):
@@ -290,31 +359,35 @@ class BucketedDDP(_DataParallelBase):
     as views. Costs: one gradient-sized flat buffer, kept; one message per
     bucket instead of per parameter. A huge cap gives one bucket and no
     overlap; a tiny cap gives per-parameter messages.
+
+    Sparse gradients (``nn.Embedding``/``EmbeddingBag(sparse=True)``), as torch DDP:
+    the weight gets a bucket of its own, and its sparse gradient is divided by N
+    and all-reduced as it is (indices and values: the message grows with the
+    rows used, not the vocabulary). With ``register_comm_hook`` the hook gets
+    the gradients alone (the used flags go in a small all-reduce of their own).
     """
 
     def __init__(self, module: nn.Module, *, process_group=None, bucket_cap_mb: float = 25.0,
                  device_ids=None, output_device=None):
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
-        sparse = [n for n, m in module.named_modules()
-                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
-        if sparse:
-            raise ValueError(_sparse_message(f"{sparse[0]} (sparse=True)"))
         super().__init__(module, process_group=process_group, device_ids=device_ids, output_device=output_device)
         self.bucket_cap_mb = float(bucket_cap_mb)
         cap = self.bucket_cap_mb * 1024 * 1024
+        sparse = _sparse_params(module)
         groups: List[List[int]] = []
         size = 0
         for i in reversed(range(len(self._params))):
             p, nbytes = self._params[i], self._params[i].numel() * self._params[i].element_size()
             last = self._params[groups[-1][-1]] if groups else None
-            if (last is None or size + nbytes > cap
+            if (last is None or size + nbytes > cap or id(p) in sparse or id(last) in sparse
                     or p.dtype != last.dtype or p.device != last.device):
                 groups.append([])
                 size = 0
             groups[-1].append(i)
             size += nbytes
-        self._buckets = [_Bucket(ix, [self._params[i] for i in ix]) for ix in groups]
+        self._buckets = [_Bucket(ix, [self._params[i] for i in ix], id(self._params[ix[0]]) in sparse)
+                         for ix in groups]
         self._bucket_of = {i: b for b, ix in enumerate(groups) for i in ix}
         self._next_bucket = 0  # buckets launch strictly in this order
         self.buckets_launched_in_backward = 0
@@ -325,48 +398,80 @@ class BucketedDDP(_DataParallelBase):
         return [[self._names[id(p)] for p in b.params] for b in self._buckets]
 
     def _grad_ready(self, i: int) -> None:
-        if self._params[i].grad.is_sparse:
-            raise RuntimeError(_sparse_message(self._names[id(self._params[i])]))
-        self._buckets[self._bucket_of[i]].ready += 1
+        bucket = self._buckets[self._bucket_of[i]]
+        if self._params[i].grad.is_sparse != bucket.sparse:
+            raise RuntimeError(f"BucketedDDP: {self._names[id(self._params[i])]} got a "
+                               f"{'sparse' if not bucket.sparse else 'dense'} gradient; torch DDP expects sparse "
+                               "gradients for nn.Embedding/EmbeddingBag(sparse=True) weights only, as here")
+        bucket.ready += 1
         while (self._next_bucket < len(self._buckets)
                and self._buckets[self._next_bucket].ready == len(self._buckets[self._next_bucket].params)):
-            self._launch(self._buckets[self._next_bucket])
+            self._launch(self._next_bucket)
             self._next_bucket += 1
 
     @torch.no_grad()
-    def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        used = torch.tensor([float(self._used[i]) for i in bucket.indices], dtype=grads[0].dtype,
-                            device=grads[0].device)
-        bucket.parts = grads + [used]
-        if bucket.flat is None:
-            bucket.flat = torch.empty(sum(t.numel() for t in bucket.parts), dtype=used.dtype, device=used.device)
-        torch.cat([t.reshape(-1) for t in bucket.parts], out=bucket.flat)  # torch's _flatten_dense_tensors, in place
-        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+    def _launch(self, b: int) -> None:
+        bucket, hooked = self._buckets[b], self._comm_hook is not None
+        if bucket.sparse:
+            p = bucket.params[0]
+            grad = p.grad if p.grad is not None else _empty_sparse(p)
+            bucket.parts, buffer = [grad], grad
+            if not hooked:
+                grad.div_(self.world_size)  # as torch's reducer: divide, then all-reduce in place
+        else:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+            used = torch.tensor([float(self._used[i]) for i in bucket.indices], dtype=grads[0].dtype,
+                                device=grads[0].device)
+            bucket.parts = grads + ([] if hooked else [used])
+            if bucket.flat is None or bucket.flat.numel() != sum(t.numel() for t in bucket.parts):
+                bucket.flat = torch.empty(sum(t.numel() for t in bucket.parts), dtype=used.dtype,
+                                          device=used.device)
+            torch.cat([t.reshape(-1) for t in bucket.parts], out=bucket.flat)  # _flatten_dense_tensors, in place
+            buffer = bucket.flat
+            if hooked:
+                bucket.flags = (dist.all_reduce(used, group=self.process_group, async_op=True), used)
+        if hooked:
+            bucket.work = self._run_comm_hook(b, len(self._buckets), buffer, bucket.params)
+        else:
+            bucket.work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
 
     @torch.no_grad()
     def _synchronize(self) -> None:
         """Launch the buckets backward did not complete, wait for all, write the averages into ``.grad``."""
         self.buckets_launched_in_backward = self._next_bucket
-        for bucket in self._buckets[self._next_bucket:]:
-            self._launch(bucket)
+        for b in range(self._next_bucket, len(self._buckets)):
+            self._launch(b)
         for b, bucket in enumerate(self._buckets):
             try:
-                bucket.work.wait()  # bounded by the process group's timeout
+                result = bucket.work.wait()  # bounded by the process group's timeout
+                if bucket.flags is not None:
+                    bucket.flags[0].wait()
             except RuntimeError as e:
                 raise RuntimeError(
                     f"rank {dist.get_rank()}: the all-reduce of bucket {b} ({self.buckets[b]}) failed ({e}). "
                     "Every rank must run the same synchronised backward passes (and none skips backward).") from e
-            *averages, used = _unflatten_dense_tensors(bucket.flat.div_(self.world_size), bucket.parts)
-            # A bucket complete here holds only parameters this rank used: no need to read the flags.
-            anyone = [True] * len(bucket.params) if bucket.ready == len(bucket.params) else (used > 0).tolist()
-            for p, avg, u in zip(bucket.params, averages, anyone):
-                if not u:  # no rank used it: its grad stays as it is
-                    continue
-                if p.grad is None:
-                    p.grad = avg.clone()
-                else:
-                    p.grad.copy_(avg)
-            bucket.work, bucket.parts, bucket.ready = None, [], 0
+            self._write_back(bucket, result if self._comm_hook is not None else None)
+            bucket.work, bucket.flags, bucket.parts, bucket.ready = None, None, [], 0
         self._next_bucket = 0
         self._reset()
+
+    def _write_back(self, bucket: _Bucket, hooked) -> None:
+        """The bucket's averages (or its comm hook's result) into ``.grad``."""
+        if bucket.sparse:
+            p, total = bucket.params[0], bucket.parts[0] if hooked is None else hooked
+            if p.grad is not None or total._nnz() > 0:  # no rank used it: its grad stays None
+                p.grad = total
+            return
+        if hooked is None:
+            *averages, used = _unflatten_dense_tensors(bucket.flat.div_(self.world_size), bucket.parts)
+        else:
+            averages, used = _unflatten_dense_tensors(hooked, bucket.parts), bucket.flags[1]
+        # A bucket complete here holds only parameters this rank used: no need to read the flags.
+        anyone = [True] * len(bucket.params) if bucket.ready == len(bucket.params) else (used > 0).tolist()
+        for p, avg, u in zip(bucket.params, averages, anyone):
+            if not u:  # no rank used it: its grad stays as it is
+                continue
+            if p.grad is None:
+                p.grad = avg.clone()
+            else:
+                p.grad.copy_(avg)

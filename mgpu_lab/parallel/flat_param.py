@@ -12,11 +12,13 @@ the gathered full vector.
   the full vector's gradient back to ``_Gather.backward``;
 * ``free()``: drop the buffer's *storage* (``untyped_storage().resize_(0)``). The
   views autograd saved for backward remain valid objects pointing at it;
-* ``regather()`` (backward): re-allocate that storage and all-gather into it,
+* ``regather(full)`` (backward): re-allocate that storage and all-gather into it,
   through ``.data`` (an alias with its own version counter, so autograd does not
-  see the saved views as modified in place);
+  see the saved views as modified in place). A unit that ran twice in one forward
+  has two such buffers; each call's backward refills its own;
 * ``_Gather.backward``: cast the full gradient to ``reduce_dtype``, start an
-  asynchronous reduce-scatter and free the storage; ``finish()`` waits, divides
+  asynchronous reduce-scatter and free the storage (once per call of the unit:
+  the slices add up); ``finish()`` waits, divides
   by N and adds the slice into the shard's ``.grad`` (in the shard's dtype).
   With ``reduce_grads`` off (``no_sync``) the full gradient is kept and added up
   locally instead, and reduce-scattered with the next synchronised one.
@@ -98,7 +100,8 @@ class FlatGroup:
         self.param_dtype = param_dtype or first.dtype
         self.reduce_dtype = reduce_dtype or first.dtype
         self.reduce_grads = True  # False under no_sync: keep the full gradient, add up locally
-        self.full: Optional[torch.Tensor] = None
+        self.full: Optional[torch.Tensor] = None  # the last gathered buffer (a unit may run twice)
+        self.refilled: List[torch.Tensor] = []    # buffers regathered in this backward
         self.unsharded_grad: Optional[torch.Tensor] = None
         self.pending: List[Tuple[object, torch.Tensor]] = []  # reduce-scatters in flight: (work, output)
         for slots in self.slots:
@@ -119,17 +122,28 @@ class FlatGroup:
                 setattr(module, attr, view)
 
     @torch.no_grad()
-    def regather(self) -> None:
-        """Backward: refill the freed storage (the views autograd saved point into it)."""
-        if self.full is None or self.gathered:
+    def regather(self, full: Optional[torch.Tensor] = None) -> None:
+        """Backward: refill the freed storage of ``full`` (one call's gathered buffer; by default
+        the last one): the views autograd saved for that call's backward point into it."""
+        full = self.full if full is None else full
+        if full is None or full.untyped_storage().nbytes() > 0:
             return
-        buf = self.full.data  # own version counter: autograd's saved views stay valid
+        buf = full.data  # own version counter: autograd's saved views stay valid
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         self.comm.all_gather(buf, self.shard.detach().to(buf.dtype))
+        self.refilled.append(full)
 
-    def free(self) -> None:
-        if self.gathered:
-            self.full.untyped_storage().resize_(0)
+    def free(self, full: Optional[torch.Tensor] = None) -> None:
+        """Drop the storage of ``full`` (by default the last gathered buffer)."""
+        full = self.full if full is None else full
+        if full is not None and full.untyped_storage().nbytes() > 0:
+            full.untyped_storage().resize_(0)
+
+    def free_all(self) -> None:
+        """End of backward: drop every buffer refilled in it (a frozen group's has no backward to free it)."""
+        for full in self.refilled + [self.full]:
+            self.free(full)
+        self.refilled.clear()
 
     # --------------------------------------------------------------- gradients
     @torch.no_grad()
@@ -175,11 +189,11 @@ class _Gather(torch.autograd.Function):
         ctx.group = group
         full = torch.empty(group.padded, dtype=group.param_dtype, device=shard.device)
         group.comm.all_gather(full, shard.detach().to(group.param_dtype))
+        ctx.storage = full.untyped_storage()  # this call's buffer (not the tensor: no reference cycle)
         return full
 
     @staticmethod
     def backward(ctx, grad_full):
-        group = ctx.group
-        group.reduce_scatter(grad_full)
-        group.free()
+        ctx.group.reduce_scatter(grad_full)
+        ctx.storage.resize_(0)  # free this call's full parameters
         return None, None

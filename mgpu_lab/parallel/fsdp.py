@@ -21,12 +21,18 @@ What a unit is
 --------------
 ``FSDP(module, units=...)``: by default every direct child of ``module`` is a
 unit (for a transformer, pass the blocks: ``units=model.blocks``, as one applies
-``fully_shard`` to each block). Parameters of ``module`` outside every unit form
-the *root* unit, gathered for the whole forward and the whole backward. A
+``fully_shard`` to each block); a list in ``units`` is one unit of several modules
+(``units=[[model.q, model.k], ...]``, as ``fully_shard([q, k])``): one flat group,
+gathered when the first of them runs and freed once all of them have. Parameters
+of ``module`` outside every unit form the *root* unit, gathered for the whole forward and the whole backward. A
 parameter reachable from two units (tied weights: the output head sharing the
 embedding) also goes to the root unit, so it is gathered once and its gradient
 (both uses summed by autograd) reduce-scattered once; ``units`` reports where each
-parameter went. A unit must run at most once per forward. Within a unit, the
+parameter went. A unit may run several times in one forward (a layer applied
+twice, a block shared by two paths), as with ``fully_shard``: each call gathers the
+parameters and frees them, each call's backward gathers them again and
+reduce-scatters its part of the gradient, and the parts add up in the shard's
+``.grad`` (k calls cost k times the communication). Within a unit, the
 parameters sharing ``requires_grad`` are one :class:`~mgpu_lab.parallel.flat_param.FlatGroup`;
 frozen parameters are sharded and gathered too, but never reduced.
 
@@ -61,6 +67,8 @@ parameters in every step (as FSDP2 requires).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import pickle
 from contextlib import contextmanager
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -87,7 +95,7 @@ class FSDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, *, param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None, units: Optional[Iterable[nn.Module]] = None,
+                 reduce_dtype: Optional[torch.dtype] = None, units: Optional[Iterable] = None,
                  process_group=None):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -100,42 +108,46 @@ class FSDP(nn.Module):
         self._comm = Comm(process_group)
         self.rank, self.world_size = self._comm.rank, self._comm.world_size
         self._state_keys = list(module.state_dict().keys())  # the plain module's, in its order
-        unit_modules = list(module.children()) if units is None else list(units)
+        # A unit is a module, or a list of modules sharded as one group (fully_shard([a, b])).
+        specs = [tuple(u) if isinstance(u, (list, tuple)) else (u,)
+                 for u in (module.children() if units is None else units)]
         names = {id(m): n for n, m in module.named_modules()}
-        for m in unit_modules:
+        for m in (m for spec in specs for m in spec):
             if id(m) not in names or m is module:
-                raise ValueError("every unit must be a submodule of the wrapped module (not the module itself)")
+                raise ValueError("every unit must be a submodule of the wrapped module (not the module itself), "
+                                 "or a list of submodules sharded together")
+        member_of = {id(m): k for k, spec in enumerate(specs) for m in spec}
         # Which unit uses each parameter (every occurrence, tied ones included).
         owner: Dict[int, set] = {}
         slots: Dict[int, List[Tuple[nn.Module, str]]] = {}
         pname: Dict[int, str] = {}
         params: Dict[int, nn.Parameter] = {}
         for mname, m in module.named_modules(remove_duplicate=False):
-            inside = [u for u in unit_modules if mname == names[id(u)] or mname.startswith(names[id(u)] + ".")]
-            unit = max(inside, key=lambda u: len(names[id(u)]), default=None)  # the innermost unit
+            inside = [u for u in member_of if mname == names[u] or mname.startswith(names[u] + ".")]
+            unit = max(inside, key=lambda u: len(names[u]), default=None)  # the innermost unit
             for attr, p in m._parameters.items():
                 if p is None:
                     continue
-                owner.setdefault(id(p), set()).add(id(unit) if unit is not None else None)
+                owner.setdefault(id(p), set()).add(member_of[unit] if unit is not None else None)
                 if (m, attr) not in [(a, b) for a, b in slots.get(id(p), [])]:
                     slots.setdefault(id(p), []).append((m, attr))
                 pname.setdefault(id(p), f"{mname}.{attr}" if mname else attr)
                 params[id(p)] = p
         self._aliases = {pname[i]: [f"{names[id(m)]}.{a}".lstrip(".") for m, a in slots[i]] for i in params}
         self._units: List[Tuple[str, Optional[nn.Module], List[FlatGroup]]] = []
-        for u in [None] + unit_modules:
-            key = id(u) if u is not None else None
-            mine = [i for i in params if (owner[i] == {key}) or (u is None and len(owner[i]) > 1)]
-            uname = "<root>" if u is None else names[id(u)]
+        self._to_run: List[set] = [set() for _ in specs]  # members of a unit yet to finish this call
+        for k, spec in [(None, None)] + list(enumerate(specs)):
+            mine = [i for i in params if (owner[i] == {k}) or (k is None and len(owner[i]) > 1)]
+            uname = "<root>" if k is None else "+".join(names[id(m)] for m in spec)
             groups = []
             for rg in (True, False):
                 entries = [(pname[i], params[i], slots[i]) for i in mine if params[i].requires_grad == rg]
                 if entries:
                     groups.append(FlatGroup(uname, entries, rg, self._comm, param_dtype, reduce_dtype))
-            self._units.append((uname, u, groups))
-            if u is not None and groups:
-                u.register_forward_pre_hook(self._pre_forward(groups), with_kwargs=True)
-                u.register_forward_hook(self._post_forward(groups))
+            self._units.append((uname, None if k is None else spec[0], groups))
+            for m in (spec if k is not None and groups else ()):  # bound methods, not closures
+                m.register_forward_pre_hook(functools.partial(self._pre_forward, k, spec), with_kwargs=True)
+                m.register_forward_hook(functools.partial(self._post_forward, k))
         self._shards = nn.ParameterList([g.shard for _, _, gs in self._units for g in gs])
         for _, u, gs in self._units:  # reachable from the plain module too, as fully_shard keeps them:
             for g in gs:              # an optimizer over net.parameters() gets the same shards
@@ -145,7 +157,12 @@ class FSDP(nn.Module):
             for b in module.buffers():
                 dist.broadcast(b, src=self._comm.src, group=process_group)
         self._backward_started = False
-        self._ran = None
+
+    def __getstate__(self):
+        raise pickle.PicklingError(
+            "mgpu_lab's FSDP does not pickle (torch's fully_shard models do not either): save the full "
+            "weights with torch.save(model.state_dict(), path) (a collective), or a sharded checkpoint with "
+            "torch.distributed.checkpoint / TrainState(sharded=True)")
 
     # --------------------------------------------------------------- introspection
     @property
@@ -163,19 +180,14 @@ class FSDP(nn.Module):
         return self._comm.bytes
 
     # --------------------------------------------------------------- hooks
-    def _pre_forward(self, groups):
-        def hook(module, args, kwargs):
-            if self._ran is not None:
-                if id(module) in self._ran:
-                    raise RuntimeError(
-                        f"FSDP unit '{groups[0].unit}' ran twice in one forward: its second backward would "
-                        "need the parameters the first one already freed. Make the module that calls it "
-                        "twice the unit (units=[...]), or leave it out of units (the root unit).")
-                self._ran.add(id(module))
+    def _pre_forward(self, k, spec, module, args, kwargs):
+        """Gather unit k's parameters when the first of its modules starts (fully_shard's group hooks)."""
+        groups = self._units[k + 1][2]
+        if not self._to_run[k]:
+            self._to_run[k].update(spec)
             for g in groups:
                 g.gather()
-            return self._cast((args, kwargs), f"the input of unit '{groups[0].unit}'")
-        return hook
+        return self._cast((args, kwargs), f"the input of unit '{groups[0].unit}'")
 
     def _cast(self, tree, what: str):
         """Floating-point tensors in ``tree`` to ``param_dtype`` (FSDP2's cast_forward_inputs)."""
@@ -184,14 +196,19 @@ class FSDP(nn.Module):
         _leaves(tree, what)
         return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, tree)
 
-    def _post_forward(self, groups):
-        def hook(module, args, output):
-            for g in groups:
-                g.free()
-            self._register_pre_backward(output, groups, f"the output of unit '{groups[0].unit}'")
-        return hook
+    def _post_forward(self, k, module, args, output):
+        """Free unit k's parameters when the last of its modules has run (a module that does not run
+        keeps its unit's parameters gathered until that unit's backward)."""
+        self._to_run[k].discard(module)
+        if not self._to_run[k]:
+            groups = self._units[k + 1][2]
+            self._release(output, groups, f"the output of unit '{groups[0].unit}'")
 
-    def _register_pre_backward(self, output, groups, what: str) -> None:
+    def _release(self, output, groups, what: str) -> None:
+        """Free this call's full parameters; hook its output so its backward gathers them again."""
+        fulls = [g.full for g in groups]  # this call's buffers (the unit may run again)
+        for g in groups:
+            g.free()
         leaves = [output] if isinstance(output, torch.Tensor) else _leaves(output, what)  # the usual case: fast
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
@@ -199,8 +216,8 @@ class FSDP(nn.Module):
             if not self._backward_started:  # once per backward: finish everything at its end
                 self._backward_started = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            for g in groups:
-                g.regather()
+            for g, full in zip(groups, fulls):
+                g.regather(full)
             return grad
         for t in tensors:
             t.register_hook(pre_backward)
@@ -208,7 +225,7 @@ class FSDP(nn.Module):
     def _end_of_backward(self) -> None:
         self._backward_started = False
         for g in self.flat_groups:
-            g.free()
+            g.free_all()
         self.finish_gradient_synchronization()
 
     # --------------------------------------------------------------- public
@@ -217,15 +234,13 @@ class FSDP(nn.Module):
         root = self._units[0][2]
         for g in root:
             g.gather()
-        self._ran = set()  # units entered during this forward
+        args, kwargs = self._cast((args, kwargs), "the input")
         try:
-            args, kwargs = self._cast((args, kwargs), "the input")
             out = self.module(*args, **kwargs)
         finally:
-            self._ran = None
-        for g in root:
-            g.free()
-        self._register_pre_backward(out, root, "the output")
+            for to_run in self._to_run:  # a group whose modules did not all run stays gathered
+                to_run.clear()
+        self._release(out, root, "the output")
         return out
 
     def finish_gradient_synchronization(self) -> None:

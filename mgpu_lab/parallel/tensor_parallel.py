@@ -219,6 +219,12 @@ class _ParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group, sequence_parallel: bool):
         super().__init__()
         require_process_group(type(self).__name__)
+        if isinstance(linear, nn.Embedding):
+            style = "ColwiseParallel() (the embedding dimension)" if self.split_dim == 0 else \
+                "RowwiseParallel() (the vocabulary)"
+            raise TypeError(f"mgpu_lab's {type(self).__name__} splits an nn.Linear, not an nn.Embedding: for an "
+                            f"embedding use torch's parallelize_module(model, mesh, {{'embed': {style}}}) "
+                            "from torch.distributed.tensor.parallel")
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{type(self).__name__}.from_linear expects an nn.Linear, got {type(linear).__name__}")
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -227,12 +233,14 @@ class _ParallelLinear(nn.Module):
         which = "out_features" if self.split_dim == 0 else "in_features"
         check_divisible(linear.weight.shape[self.split_dim], self.world_size, f"{type(self).__name__}: {which}")
         weight = _rank0_copy(linear.weight, group)
-        self.weight = nn.Parameter(weight.chunk(self.world_size, self.split_dim)[self.rank].clone())
+        # requires_grad carried over, as torch's ColwiseParallel/RowwiseParallel keep a frozen weight frozen
+        self.weight = nn.Parameter(weight.chunk(self.world_size, self.split_dim)[self.rank].clone(),
+                                   requires_grad=linear.weight.requires_grad)
         bias = None
         if linear.bias is not None:
             bias = _rank0_copy(linear.bias, group)
             bias = bias.chunk(self.world_size)[self.rank].clone() if self.split_dim == 0 else bias
-            bias = nn.Parameter(bias)
+            bias = nn.Parameter(bias, requires_grad=linear.bias.requires_grad)
         self.bias = bias
 
     def extra_repr(self) -> str:
@@ -243,6 +251,8 @@ class _ParallelLinear(nn.Module):
 
 class ColumnParallelLinear(_ParallelLinear):
     """``nn.Linear`` split by output features: rank r keeps rows ``r*out/N ...`` of the weight and bias.
+    ``from_linear`` keeps each parameter's ``requires_grad`` (a frozen layer stays frozen, as torch's
+    ``ColwiseParallel`` keeps it).
 
     Input: replicated ``[..., in_features]`` (with ``sequence_parallel``: this rank's part of
     the sequence, all-gathered first). Output: this rank's ``out/N`` features, or all of
@@ -275,6 +285,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
 class RowParallelLinear(_ParallelLinear):
     """``nn.Linear`` split by input features: rank r keeps columns ``r*in/N ...`` of the weight.
+    ``from_linear`` keeps ``requires_grad``, as ``ColumnParallelLinear.from_linear``.
 
     Input: this rank's ``in/N`` features (``input_is_parallel=True``, what a column layer
     produced), or the full replicated input, sliced here. Forward sums the partial

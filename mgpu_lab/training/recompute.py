@@ -41,6 +41,10 @@ time for the recompute, so dropout draws the same mask and gradients equal the
 un-checkpointed run; the generators are restored afterwards, so checkpointing
 does not change the random numbers that later code draws.
 
+A recompute that differs from forward (another number of saved tensors, other
+shapes, dtypes or devices) and a saved tensor read twice in one backward raise
+``torch.utils.checkpoint.CheckpointError`` (a ``RuntimeError``), as torch's does.
+
 What it saves is measured from outside, by :mod:`mgpu_lab.measure.activation_memory`
 (``saved_tensor_bytes``, ``peak_memory``).
 """
@@ -52,6 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointError
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
 
@@ -130,7 +135,7 @@ class _Frame:
         got = self.recomputed[backward]
         t, got[i] = got[i], None  # free it once backward has it
         if t is None:
-            raise RuntimeError(
+            raise CheckpointError(
                 f"checkpoint: saved tensor {i} of {getattr(self.fn, '__name__', self.fn)!r} was unpacked "
                 "twice in one backward. A custom autograd.Function that reads ctx.saved_tensors twice in its "
                 "backward does this: read it once and keep the tuple (torch.utils.checkpoint refuses it too).")
@@ -176,8 +181,8 @@ class _Frame:
             raise self._mismatch("saved tensors whose shapes, dtypes or devices differ from forward's")
         return out
 
-    def _mismatch(self, what: str) -> RuntimeError:
-        return RuntimeError(
+    def _mismatch(self, what: str) -> CheckpointError:
+        return CheckpointError(
             f"checkpoint: the recompute of {getattr(self.fn, '__name__', self.fn)!r} {what}. "
             "fn must do the same operations every time it is called with the same inputs: "
             "no data-dependent branches on global state, no in-place changes to its inputs.")
