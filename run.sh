@@ -119,7 +119,7 @@ case "$cmd" in
     command -v nvidia-smi >/dev/null 2>&1 ||
       { echo "run.sh gpu: no nvidia-smi here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-    exec "$PY" -m mgpu_lab.course.gpu_pass --out "${GPU_RESULTS:-gpu-results.json}" "$@"
+    exec "$PY" -m mgpu_lab.course.authoring.gpu_pass --out "${GPU_RESULTS:-gpu-results.json}" "$@"
     ;;
   mgpu-lab)
     setup course,lightning

@@ -25,9 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mgpu_lab.course.classroom import find_submissions, grade_class
-from mgpu_lab.course.grader import load_solutions
-from mgpu_lab.course.sandbox import Limits, Sandbox, probe
+from mgpu_lab.course.classroom.grade import find_submissions, grade_class
+from mgpu_lab.course.grading.grader import load_solutions
+from mgpu_lab.course.grading.sandbox import Limits, Sandbox, probe
 from mgpu_lab.measure.timing import Table, median_time, median_times, print_json
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,9 +24,9 @@ SUITE = [sys.executable, "-m", "pytest", "-p", "mgpu_lab.course", "-n", "2", "--
          "--nbval-sanitize-with", "solutions/sanitize.cfg", "-q", "-p", "no:cacheprovider"]
 # (kind, a piece of its command line), first match wins. A forked rank keeps its parent's.
 KINDS = [("notebook kernels and their forked ranks", "ipykernel_launcher"),
-         ("notebook kernels and their forked ranks", "course.warm_kernel"),  # forks of the zygote
+         ("notebook kernels and their forked ranks", "course.grading.warm_kernel"),  # forks of the zygote
          ("judges (zygotes and their forks)", "judge"),
-         ("runners (one per graded notebook)", "course.runner"),
+         ("runners (one per graded notebook)", "course.grading.runner"),
          ("mgpu-lab commands", "mgpu_lab"), ("mgpu-lab commands", "mgpu-lab"),
          ("torchrun agents", "torch.distributed.run"), ("torchrun agents", "torchrun"),
          ("spawned ranks", "multiprocessing"),

@@ -4,11 +4,11 @@ Each subcommand lives in the module of its concept, which defines
 ``add_parser(subparsers)``; the parser it adds sets ``func(args) -> int``.
 
     mgpu-lab launch   torchrun, with defaults for this machine   (runtime/torchrun.py)
-    mgpu-lab doctor   what this machine can do, and what is off  (doctor.py)
-    mgpu-lab labs     build, execute, copy or check labs          (course/labs_command.py)
-    mgpu-lab grade    score students' notebooks                  (course/classroom.py)
-    mgpu-lab export   the grader for Gradescope or PrairieLearn  (course/export.py)
-    mgpu-lab tour     run every solution notebook, headless      (tour.py)
+    mgpu-lab doctor   what this machine can do, and what is off  (runtime/doctor.py)
+    mgpu-lab labs     build, execute, copy or check labs          (course/authoring/labs_command.py)
+    mgpu-lab grade    score students' notebooks                  (course/classroom/grade.py)
+    mgpu-lab export   the grader for Gradescope or PrairieLearn  (course/classroom/export.py)
+    mgpu-lab tour     run every solution notebook, headless      (course/authoring/tour.py)
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from typing import Iterable, Optional, Sequence
 SUBCOMMANDS = {
     "launch": "runtime.torchrun",
     "doctor": "runtime.doctor",
-    "labs": "course.labs_command",
-    "grade": "course.classroom",
-    "export": "course.export",
-    "tour": "course.tour",
+    "labs": "course.authoring.labs_command",
+    "grade": "course.classroom.grade",
+    "export": "course.classroom.export",
+    "tour": "course.authoring.tour",
 }
 
 

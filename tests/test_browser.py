@@ -29,7 +29,7 @@ import uuid
 import nbformat
 import pytest
 
-from mgpu_lab.course.cells import SETUP_TAG, tags
+from mgpu_lab.course.notebook.cells import SETUP_TAG, tags
 from conftest import ROOT
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

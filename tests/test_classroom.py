@@ -20,9 +20,9 @@ import nbformat
 import pytest
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course.gradebook import Gradebook
-from mgpu_lab.course.notebooks import make_lab
-from mgpu_lab.course.scoring import ExerciseScore, NotebookGrade
+from mgpu_lab.course.classroom.gradebook import Gradebook
+from mgpu_lab.course.notebook.notebooks import make_lab
+from mgpu_lab.course.grading.scoring import ExerciseScore, NotebookGrade
 
 DATA = Path(__file__).parent / "data" / "grader"
 TOY = DATA / "solutions" / "toy.ipynb"
@@ -227,8 +227,8 @@ def test_policies_best_and_latest_and_a_maximum_that_never_shrinks():
 
 
 def test_canvas_file_names_and_a_zip_read_flat(tmp_path):
-    from mgpu_lab.course.handins import find_submissions
-    from mgpu_lab.course.lms import canvas_file
+    from mgpu_lab.course.classroom.handins import find_submissions
+    from mgpu_lab.course.classroom.lms import canvas_file
     assert canvas_file("doejane_LATE_101_9004_lab 00-1.ipynb").__dict__ == dict(
         name="doejane", uid="101", subid="9004", late=True, file="lab 00-1.ipynb")
     assert canvas_file("alice.ipynb") is None
@@ -242,7 +242,7 @@ def test_canvas_file_names_and_a_zip_read_flat(tmp_path):
 
 
 def test_named_notebooks_each_in_a_folder_are_their_folders_students(tmp_path):
-    from mgpu_lab.course.handins import find_submissions
+    from mgpu_lab.course.classroom.handins import find_submissions
     for path in ("alice/lab.ipynb", "bob/lab.ipynb", "flat/cy.ipynb", "flat/dee.ipynb"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("{}")
@@ -255,8 +255,8 @@ def test_named_notebooks_each_in_a_folder_are_their_folders_students(tmp_path):
 def test_what_a_student_left_explains_the_failure_without_a_kernel():
     """The exercise's own cell says why its check failed: untouched, or not Python (and a
     syntax error in another cell explains a NameError)."""
-    from mgpu_lab.course.grader import attempts_of
-    from mgpu_lab.course.submission import prepare_submission
+    from mgpu_lab.course.grading.grader import attempts_of
+    from mgpu_lab.course.grading.submission import prepare_submission
     instructor = nbformat.read(TOY, as_version=4)
     lab = make_lab(instructor)
     lab.cells[1].source = "import math\nx = ("                    # a given cell, broken
@@ -308,7 +308,7 @@ def test_labs_build_refuses_a_heading_that_states_other_points(tmp_path, capsys)
 
 
 def test_an_exercise_with_two_graded_cells_states_their_sum():
-    from mgpu_lab.course.exercises import points_mismatches, titles
+    from mgpu_lab.course.notebook.exercises import points_mismatches, titles
 
     def cell(kind, gid, points=0):
         c = nbformat.v4.new_code_cell("x = 1" if kind == "solution" else "### PROBE\n### JUDGE\n")
@@ -329,7 +329,7 @@ def test_an_exercise_with_two_graded_cells_states_their_sum():
 
 
 def test_a_lab_version_changes_with_its_graded_cells_only(tmp_path):
-    from mgpu_lab.course.exercises import lab_version
+    from mgpu_lab.course.notebook.exercises import lab_version
     assert cli(["labs", "build", "--root", str(course(tmp_path))]) == 0
     built = nbformat.read(tmp_path / "labs" / "01_toy.ipynb", as_version=4)
     first = built.metadata["mgpu_lab"]["version"]

@@ -9,9 +9,9 @@ import nbformat
 import pytest
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course import layout
-from mgpu_lab.course.layout import copy_labs, find_root
-from mgpu_lab.course.notebooks import lab_id
+from mgpu_lab.course.notebook import layout
+from mgpu_lab.course.notebook.layout import copy_labs, find_root
+from mgpu_lab.course.notebook.notebooks import lab_id
 from conftest import ROOT
 
 TOY = Path(__file__).parent / "data" / "grader" / "solutions" / "toy.ipynb"

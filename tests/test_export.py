@@ -106,7 +106,7 @@ def _public_python(folder: Path):
 
     def runs(python):
         return subprocess.run(["runuser", "-u", "nobody", "--", python, "-c",
-                               "import mgpu_lab.course.runner, torch"],
+                               "import mgpu_lab.course.grading.runner, torch"],
                               capture_output=True, cwd="/", timeout=120).returncode == 0
     if runs(sys.executable):
         return sys.executable
@@ -232,7 +232,7 @@ def test_the_zip_holds_setup_run_autograder_and_solutions(tmp_path):
         setup = z.read("setup.sh").decode()
     assert {"setup.sh", "run_autograder", "solutions/00_setup.ipynb",
             "solutions/06_gradient_accumulation.ipynb",
-            "mgpu_lab_package/pyproject.toml", "mgpu_lab_package/mgpu_lab/course/platforms.py"} <= names
+            "mgpu_lab_package/pyproject.toml", "mgpu_lab_package/mgpu_lab/course/classroom/platforms.py"} <= names
     assert modes["run_autograder"] & 0o111 and modes["setup.sh"] & 0o111
     assert config["labs"] == ["00_setup", "06_gradient_accumulation"] and config["limit"] == 1200
     assert "bubblewrap" in setup and "[course]" in setup and "whl/cpu" in setup
@@ -311,9 +311,9 @@ def test_prairielearn_question_folder(runs):
 
 def test_no_notebook_in_a_submission_is_said_and_scores_zero(tmp_path):
     """Gradescope's empty submission and PrairieLearn's: not gradable there, a 0 here."""
-    from mgpu_lab.course.gradebook import Gradebook
-    from mgpu_lab.course.platforms import gradescope_results, prairielearn_results
-    from mgpu_lab.course.scoring import ExerciseScore
+    from mgpu_lab.course.classroom.gradebook import Gradebook
+    from mgpu_lab.course.classroom.platforms import gradescope_results, prairielearn_results
+    from mgpu_lab.course.grading.scoring import ExerciseScore
     blanks = {LAB: [ExerciseScore("a_test", 0.0, 3.0, title="Exercise 1")]}
     book = Gradebook([], {LAB: 3.0}, "best", [LAB])
     config = {"visibility": "visible"}

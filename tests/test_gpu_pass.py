@@ -4,7 +4,7 @@ import json
 import nbformat
 import pytest
 
-from mgpu_lab.course import gpu_pass
+from mgpu_lab.course.authoring import gpu_pass
 
 
 def test_last_json_line_skips_other_lines():

@@ -17,14 +17,14 @@ import nbformat
 import pytest
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course import guard
-from mgpu_lab.course.grader import grade_notebook, load_solutions, match_lab
-from mgpu_lab.course.kernel import run_notebook
-from mgpu_lab.course.notebooks import make_lab
-from mgpu_lab.course.report import print_details, print_summary
-from mgpu_lab.course.sandbox import Limits, Sandbox, probe
-from mgpu_lab.course.scoring import ExerciseScore, NotebookGrade, brief
-from mgpu_lab.course.submission import prepare_submission
+from mgpu_lab.course.grading import guard
+from mgpu_lab.course.grading.grader import grade_notebook, load_solutions, match_lab
+from mgpu_lab.course.grading.kernel import run_notebook
+from mgpu_lab.course.notebook.notebooks import make_lab
+from mgpu_lab.course.classroom.report import print_details, print_summary
+from mgpu_lab.course.grading.sandbox import Limits, Sandbox, probe
+from mgpu_lab.course.grading.scoring import ExerciseScore, NotebookGrade, brief
+from mgpu_lab.course.grading.submission import prepare_submission
 from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"
@@ -307,7 +307,7 @@ def test_lab00_solution_full_marks_and_lab_zero_in_the_sandbox(tmp_path, capsys)
 
 def test_without_a_sandbox_grading_refuses_unless_told_no_sandbox(monkeypatch, capsys):
     """Sandboxed by default: no bubblewrap is an error that says how to install it and why."""
-    import mgpu_lab.course.classroom as classroom
+    import mgpu_lab.course.classroom.grade as classroom
     monkeypatch.setattr(classroom, "probe", lambda hidden=(): Sandbox(False, "bwrap not found"))
     assert cli(["grade", str(TOY), "--solutions", str(DATA / "solutions")]) == 2
     out = capsys.readouterr()
@@ -330,7 +330,7 @@ def test_a_probe_already_scored_zero_is_neither_run_nor_judged(tmp_path, monkeyp
     """An exercise the static pass has scored 0 (here: tampering) is settled: its probe,
     which would loop until the cell's time limit, is not run, and its judge is not
     asked; the next exercise is graded as usual."""
-    import mgpu_lab.course.session as session
+    import mgpu_lab.course.grading.session as session
     judged = []
 
     class Recording(session.JudgeProcess):
@@ -353,7 +353,7 @@ def test_a_probe_already_scored_zero_is_neither_run_nor_judged(tmp_path, monkeyp
 def test_a_notebook_whose_every_check_is_settled_statically_starts_no_kernel(monkeypatch, tmp_path):
     """Tampering in every exercise: each scores 0 as tampering, and no kernel is started
     for a notebook with nothing left to run."""
-    from mgpu_lab.course import grader
+    from mgpu_lab.course.grading import grader
 
     def no_run(*args, **kwargs):
         raise AssertionError("a kernel was started")
@@ -383,7 +383,7 @@ def test_a_notebook_whose_every_check_is_settled_statically_starts_no_kernel(mon
 ])
 def test_scoring_precedence_tampering_then_forbidden_call_then_error_then_verdict(evidence, want):
     """The table, without kernels: the first source of evidence that objects decides."""
-    from mgpu_lab.course.scoring import PRECEDENCE, Evidence, score
+    from mgpu_lab.course.grading.scoring import PRECEDENCE, Evidence, score
     assert PRECEDENCE == ("Tampering", "ForbiddenCall", "kernel error", "verdict")
     got = score("t", 4, Evidence(**evidence))
     assert (got.error, got.score, got.max_score) == (*want, 4.0)
@@ -420,7 +420,7 @@ def test_prepare_submission_uses_the_instructors_cells_without_their_source():
 
 
 def test_static_check_resolves_import_aliases_and_tensor_methods():
-    from mgpu_lab.course.cells import import_aliases, parse
+    from mgpu_lab.course.notebook.cells import import_aliases, parse
     aliases = import_aliases([parse("import torch.distributed as d\nfrom mgpu_lab import scatter as sc")])
     src = "def f(x):\n    sc(x)\n    x.chunk(2)\n    d.all_reduce(x)\n    torch.nn.parallel.scatter_gather.scatter"
     forbidden = ["mgpu_lab.scatter", "torch.Tensor.chunk", "torch.distributed.all_reduce",
@@ -473,9 +473,9 @@ FROM_SCRATCH = {  # lab -> graded cells of from-scratch exercises (labs 00-04)
 def test_a_cheat_calling_the_reference_scores_zero_in_every_from_scratch_exercise(lab):
     """Each from-scratch exercise names its references; a solution calling one is caught,
     the instructor's solution is not."""
-    from mgpu_lab.course.cells import exercise_of, graded_cells
-    from mgpu_lab.course.guard import forbidden_of, notebook_violations as static_check
-    from mgpu_lab.course.notebooks import BEGIN_SOLUTION, END_SOLUTION
+    from mgpu_lab.course.notebook.cells import exercise_of, graded_cells
+    from mgpu_lab.course.grading.guard import forbidden_of, notebook_violations as static_check
+    from mgpu_lab.course.notebook.notebooks import BEGIN_SOLUTION, END_SOLUTION
     solution = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
     assert static_check(solution, solution) == {}
     tests, exercise = graded_cells(solution), exercise_of(solution)
@@ -521,7 +521,7 @@ def test_total_timeout_bounds_the_notebook():
 
 
 def test_kernel_runner_reports_every_code_cell_and_stores_outputs(tmp_path):
-    """mgpu_lab.course.kernel.run_notebook, shared by grade, labs execute and tour."""
+    """mgpu_lab.course.grading.kernel.run_notebook, shared by grade, labs execute and tour."""
     nb = nbformat.read(TOY, as_version=4)
     nb.cells[1].source = "import os\nprint(os.getcwd())"
     nb.cells[4].source = "raise ValueError('expected')"
@@ -559,7 +559,7 @@ def test_h3_a_learners_exception_is_reported_by_type_and_line_never_its_message(
 
 
 def test_find_submissions_layouts(tmp_path):
-    from mgpu_lab.course.classroom import find_submissions
+    from mgpu_lab.course.classroom.grade import find_submissions
     for path in ("course/submitted/ann/ps1/lab.ipynb", "course/submitted/ben/ps1/x/y.ipynb",
                  "course/submitted/ben/.ipynb_checkpoints/y-checkpoint.ipynb",
                  "flat/cy.ipynb", "flat/dee/01 (1).ipynb"):
@@ -575,7 +575,7 @@ def test_find_submissions_layouts(tmp_path):
 def test_a_package_under_tmp_is_bound_over_the_private_tmp(tmp_path):
     """A checkout cloned under /tmp (as CI may do) keeps its Python visible in the sandbox:
     the private /tmp and /dev/shm are mounted first, the read-only binds over them."""
-    from mgpu_lab.course import sandbox
+    from mgpu_lab.course.grading import sandbox
     package = tmp_path / "clone" / "mgpu_lab"
     package.mkdir(parents=True)
     argv, _ = sandbox.command(Sandbox(True, bwrap="bwrap"), ["python"], Limits(), package, {})
@@ -597,7 +597,7 @@ def test_h1_the_static_pass_never_imports_a_module_a_submission_names(tmp_path, 
     """A name in a never-run branch, under a forbidden reference's package, named a module
     that exits on import: the static pass imported it and the whole class's run ended."""
     import sys
-    from mgpu_lab.course.grader import static_pass
+    from mgpu_lab.course.grading.grader import static_pass
     package = tmp_path / "evil_pkg_c28"
     package.mkdir()
     (package / "__init__.py").write_text("def f(a, b):\n    return a + b\n")
@@ -618,7 +618,7 @@ def test_h1_the_static_pass_never_imports_a_module_a_submission_names(tmp_path, 
 def test_h1_one_notebooks_failure_of_any_kind_costs_that_notebook_only(tmp_path, monkeypatch,
                                                                        failure):
     """The table, CSV, JSON and feedback of everyone else are written."""
-    import mgpu_lab.course.classroom as classroom
+    import mgpu_lab.course.classroom.grade as classroom
 
     def fake(path, labs, student, *args, **kwargs):
         if student == "bad":
@@ -650,8 +650,8 @@ def test_h6_the_static_pass_is_linear_a_chain_4x_longer_costs_under_10x():
     beside the suite); each length's best of three runs."""
     import gc
     import time
-    from mgpu_lab.course.cells import parse
-    from mgpu_lab.course.grader import static_pass
+    from mgpu_lab.course.notebook.cells import parse
+    from mgpu_lab.course.grading.grader import static_pass
     solution = nbformat.read(TOY, as_version=4)
 
     def cpu_for(n):
@@ -680,7 +680,7 @@ def test_h1_a_submission_the_static_pass_cannot_read_costs_that_notebook_only(tm
                                                                              monkeypatch):
     """Its own time limit (and a bound on a cell's size): the notebook scores 0 on every
     exercise, "Unanalysable", without running; nothing else is affected."""
-    import mgpu_lab.course.grader as grader
+    import mgpu_lab.course.grading.grader as grader
     labs = load_solutions(DATA / "solutions")
     write(toy(add="x = 1\n" * 200_000 + "def add(a, b):\n    return a + b"), tmp_path / "big.ipynb")
     grade = grade_notebook(tmp_path / "big.ipynb", labs, box=Sandbox(False, "test"))
@@ -693,7 +693,7 @@ def test_h1_a_submission_the_static_pass_cannot_read_costs_that_notebook_only(tm
 
 
 def test_h2_csv_escapes_formulas_and_feedback_escapes_markdown_and_html(tmp_path):
-    from mgpu_lab.course.report import write_csv, write_feedback
+    from mgpu_lab.course.classroom.report import write_csv, write_feedback
     evil = '=HYPERLINK("http://evil.example/?q=1","click")'
     message = "<img src=x onerror=alert(1)> [click](http://evil.example) | *bold* www.evil.example"
     grades = [NotebookGrade("c/a.ipynb", "a.ipynb", evil, "toy",
@@ -733,7 +733,7 @@ def test_h5_a_symlink_out_of_the_submission_folder_is_refused_unread(tmp_path):
 
 
 def test_h3_what_a_report_may_say_about_a_kernel_error_without_kernels():
-    from mgpu_lab.course.scoring import kernel_error, verdict_text
+    from mgpu_lab.course.grading.scoring import kernel_error, verdict_text
     cells, graded = {2: (2, 3)}, (4, 6)
     assert kernel_error("ValueError", "secret 3 4", [(4, 1), (2, 3)], cells, graded, {"add"}) == (
         "ValueError", "raised at line 3 of cell 2 (your code)")

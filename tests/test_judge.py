@@ -13,10 +13,10 @@ import nbformat
 import pytest
 import torch
 
-from mgpu_lab.course import graded_cell
-from mgpu_lab.course.judge import JudgeError, JudgeProcess, dumps, loads
-from mgpu_lab.course.notebooks import MarkerError, check_notebook, make_lab
-from mgpu_lab.course.tamper import findings, tampering
+from mgpu_lab.course.notebook import graded_cell
+from mgpu_lab.course.grading.judge import JudgeError, JudgeProcess, dumps, loads
+from mgpu_lab.course.notebook.notebooks import MarkerError, check_notebook, make_lab
+from mgpu_lab.course.grading.tamper import findings, tampering
 from conftest import ROOT
 
 CELL = """torch.manual_seed(0)
@@ -248,7 +248,7 @@ def test_h4_the_judge_refuses_a_view_that_would_make_it_allocate(judge):
 
 
 def test_h4_the_judge_runs_under_a_memory_limit(tmp_path):
-    from mgpu_lab.course.judge import MEMORY_ENV
+    from mgpu_lab.course.grading.judge import MEMORY_ENV
     if list(__import__("glob").glob("/dev/nvidia*")):
         pytest.skip("with a GPU the judge has no address-space limit (CUDA maps far more)")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),

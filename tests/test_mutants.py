@@ -40,10 +40,10 @@ from time import monotonic
 import nbformat
 import pytest
 
-from mgpu_lab.course.cells import exercise_of, graded_cells, nbgrader_meta
-from mgpu_lab.course.guard import forbidden_of
-from mgpu_lab.course.notebooks import make_lab
-from mgpu_lab.course.sandbox import probe
+from mgpu_lab.course.notebook.cells import exercise_of, graded_cells, nbgrader_meta
+from mgpu_lab.course.grading.guard import forbidden_of
+from mgpu_lab.course.notebook.notebooks import make_lab
+from mgpu_lab.course.grading.sandbox import probe
 from conftest import ROOT, SUMMARY
 from mutants import KINDS, all_mutants
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_lab.course import notebooks
-from mgpu_lab.course.cells import DEMO_TAG, nbgrader_meta, tags
+from mgpu_lab.course.notebook import notebooks
+from mgpu_lab.course.notebook.cells import DEMO_TAG, nbgrader_meta, tags
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course.notebooks import MarkerError, build_labs, graded_cells, make_lab, strip_solution
+from mgpu_lab.course.notebook.notebooks import MarkerError, build_labs, graded_cells, make_lab, strip_solution
 from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"
@@ -202,7 +202,7 @@ def test_answer_key_cells_stay_in_the_solution():
 def test_readme_lab_table_matches_the_notebooks():
     """README's "The labs" table: one row per solution, with its exercises and points."""
     import re
-    from mgpu_lab.course.cells import exercise_of
+    from mgpu_lab.course.notebook.cells import exercise_of
     readme = (ROOT / "README.md").read_text()
     rows = dict(re.findall(r"^\| (\d\d) \|.*?\| (\d+ \(\d+\)) \|", readme, re.M))
     want = {}
@@ -218,7 +218,7 @@ def test_readme_lab_table_matches_the_notebooks():
 def test_instructors_honour_level_table_lists_every_check_that_observes_the_kernel():
     """docs/INSTRUCTORS.md's honour-level table: one row per graded cell with ``observed`` metadata
     (lab and points), and the total it states."""
-    from mgpu_lab.course.cells import observed_of
+    from mgpu_lab.course.notebook.cells import observed_of
     guide = (ROOT / "docs" / "INSTRUCTORS.md").read_text()
     table = guide[guide.index("| lab, exercise | points | observed in the kernel"):]
     table = table[:table.index("\n\n")]

@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course.notebooks import graded_cells
+from mgpu_lab.course.notebook.notebooks import graded_cells
 from conftest import ROOT
 
 DATA = Path(__file__).parent / "data" / "grader"

@@ -1,15 +1,15 @@
-"""Warm kernels (``mgpu_lab/course/warm_kernel.py``): a kernel forked into its sandbox
+"""Warm kernels (``mgpu_lab/course/grading/warm_kernel.py``): a kernel forked into its sandbox
 sees that sandbox as a kernel started in it does, and grading falls back to a cold
 start wherever a warm one cannot be made."""
 import json
 
 import pytest
 
-from mgpu_lab.course import warm_kernel
-from mgpu_lab.course.judge_pool import JudgePool
-from mgpu_lab.course.sandbox import Limits
-from mgpu_lab.course.session import JUDGE_TIMEOUT, judge_environment, run_prepared
-from mgpu_lab.course.submission import prepare_submission
+from mgpu_lab.course.grading import warm_kernel
+from mgpu_lab.course.grading.judge_pool import JudgePool
+from mgpu_lab.course.grading.sandbox import Limits
+from mgpu_lab.course.grading.session import JUDGE_TIMEOUT, judge_environment, run_prepared
+from mgpu_lab.course.grading.submission import prepare_submission
 from test_grader import SANDBOX, TOY, toy
 import nbformat
 
@@ -113,8 +113,8 @@ raise ValueError(json.dumps(_facts()))'''
 def test_a_judge_zygote_forked_warm_sees_what_a_new_one_does(tmp_path):
     """The run's judge zygotes are forks of the warm zygote (imports done): the same
     process as one started anew — session, environment, ``sys.path``, fds, limits."""
-    from mgpu_lab.course.judge import JudgeError
-    from mgpu_lab.course.judge_pool import Zygote
+    from mgpu_lab.course.grading.judge import JudgeError
+    from mgpu_lab.course.grading.judge_pool import Zygote
     def env_of(home):
         return {k: v for k, v in judge_environment(str(home)).items() if k != "PYTHONDONTWRITEBYTECODE"}
     env = env_of(tmp_path)
@@ -134,7 +134,7 @@ def test_a_judge_zygote_forked_warm_sees_what_a_new_one_does(tmp_path):
     finally:
         warm.close()
     assert facts["warm"] == facts["cold"]
-    assert facts["cold"]["session_leader"] and facts["cold"]["main"] == "mgpu_lab.course.judge_pool"
+    assert facts["cold"]["session_leader"] and facts["cold"]["main"] == "mgpu_lab.course.grading.judge_pool"
     assert facts["cold"]["fds"].count("socket") == 1 and "pipe" in facts["cold"]["fds"]
     assert not facts["cold"]["dont_write_bytecode"]
 

@@ -1,5 +1,9 @@
-"""The course machinery (the ``[course]`` extra): build labs from solutions,
-run notebooks in kernels, grade them, tour them. The library never imports it."""
+"""The course machinery (the ``[course]`` extra), in four wings whose imports run one way:
+``notebook/`` (the notebook model) under ``grading/`` (the engine: kernels, sandbox,
+judges, scores), under ``classroom/`` (a class: hand-ins, reports, LMS, platforms) and
+``authoring/`` (the author's commands: labs, tour, GPU pass). The library never imports it.
+
+This package is also the pytest plugin loaded by ``-p mgpu_lab.course`` (below)."""
 
 import sys as _sys
 

@@ -1,6 +1,6 @@
 """Who handed in what: a class's folder (or a Canvas download) as a list of submissions.
 
-Used by ``mgpu-lab grade`` (:mod:`.classroom`) and the platforms' graders
+Used by ``mgpu-lab grade`` (:mod:`.grade`) and the platforms' graders
 (:mod:`.platforms`).
 """
 from __future__ import annotations
@@ -81,8 +81,8 @@ def only_labs(submissions, labs, wanted) -> tuple:
     """``(submissions, labs)`` kept for ``--lab``: the labs asked for (a number or an id)
     and the notebooks that match one of them (or no lab at all: those get their line)."""
     import nbformat
-    from .grader import NOTEBOOK_LIMIT, match_lab
-    from .layout import select_labs
+    from ..grading.grader import NOTEBOOK_LIMIT, match_lab
+    from ..notebook.layout import select_labs
     keep = {name[:-6] for name in select_labs([f"{lab}.ipynb" for lab in labs], wanted)}
     kept = []
     for sub in submissions:

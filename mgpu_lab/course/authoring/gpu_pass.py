@@ -1,6 +1,6 @@
 """The GPU pass: every GPU test, every lab in a kernel that touched CUDA first, the benchmarks.
 
-    OMP_NUM_THREADS=1 python -m mgpu_lab.course.gpu_pass --out gpu-results.json
+    OMP_NUM_THREADS=1 python -m mgpu_lab.course.authoring.gpu_pass --out gpu-results.json
 
 What a GPU machine must show, in one command and one results file:
 
@@ -41,7 +41,7 @@ from typing import List, Optional, Sequence
 import nbformat
 
 TOUCH_CUDA = "import torch\ntorch.cuda.init()\n_ = torch.empty(1, device='cuda')"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GPU_BENCHMARKS = ("bench_amp", "bench_checkpointing", "bench_data_parallel")
 ASKS_ABOUT_CUDA = re.compile(r"cuda\.(is_available|device_count)")
 KEPT_CHARS = 4000  # of each GPU cell's text, and of a failing step's output
@@ -86,8 +86,8 @@ def cell_text(cell) -> str:
 
 def run_lab(path: Path, first_cell: str = TOUCH_CUDA, timeout: float = 600.0) -> dict:
     """Run one solution notebook after ``first_cell``; outputs are never written back."""
-    from .kernel import run_notebook
-    from .cells import nbgrader_meta
+    from ..grading.kernel import run_notebook
+    from ..notebook.cells import nbgrader_meta
     start = time.monotonic()
     note = WITHOUT_CUDA_FIRST.get(path.stem, "")
     nb = with_first_cell(nbformat.read(path, as_version=4), "import torch" if note else first_cell)
@@ -197,7 +197,7 @@ def _lab_in_budget(path: Path, first_cell: str, timeout: float, start: float, bu
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mgpu_lab.course.gpu_pass", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mgpu_lab.course.authoring.gpu_pass", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-results.json"))
     parser.add_argument("--root", type=Path, default=ROOT, help="the checkout (solutions/, benchmarks/, tests/)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per cell and per benchmark")

@@ -17,18 +17,17 @@ Before running, every graded cell is the instructor's (hidden tests included):
 an edited one is replaced, a duplicated one runs once (its last copy), a deleted
 one is put back after its exercise (scored 0, "Missing", when the exercise is
 gone too). Cells tagged ``demo`` are not run. A graded cell is split in three
-(:mod:`mgpu_lab.course.graded_cell`): its inputs and judge run in a judge
-process of ours (:mod:`mgpu_lab.course.judge`), its probe in the sandboxed
-kernel; it scores its points when the probe and the judge raise nothing, the
-learner's cells show no tampering (:mod:`mgpu_lab.course.tamper`) and, for a
-from-scratch exercise, no reference it re-implements is called (a courtesy
-message, :mod:`mgpu_lab.course.guard`); :mod:`mgpu_lab.course.scoring` holds that
-order. The run itself is :mod:`mgpu_lab.course.session`'s. Cells have ``--timeout`` seconds, the notebook
-``--total-timeout``; a dead kernel is restarted and the earlier cells replayed
-(:mod:`mgpu_lab.course.kernel`). Everything runs in a sandbox
-(:mod:`mgpu_lab.course.sandbox`): without one the command refuses unless told
-``--no-sandbox``; the first line says which. The exit status is 0 whatever the
-scores; 1 when the grader itself failed on a notebook; 2 on bad usage.
+(:mod:`mgpu_lab.course.notebook.graded_cell`): its inputs and judge run in a judge
+process of ours (:mod:`.judge`), its probe in the sandboxed kernel; it scores its
+points when the probe and the judge raise nothing, the learner's cells show no
+tampering (:mod:`.tamper`) and, for a from-scratch exercise, no reference it
+re-implements is called (a courtesy message, :mod:`.guard`); :mod:`.scoring` holds
+that order. The run itself is :mod:`.session`'s. Cells have ``--timeout`` seconds,
+the notebook ``--total-timeout``; a dead kernel is restarted and the earlier cells
+replayed (:mod:`.kernel`). Everything runs in a sandbox (:mod:`.sandbox`): without
+one the command refuses unless told ``--no-sandbox``; the first line says which. The
+exit status is 0 whatever the scores; 1 when the grader itself failed on a notebook;
+2 on bad usage.
 """
 from __future__ import annotations
 
@@ -40,10 +39,10 @@ from typing import Dict, Optional
 
 import nbformat
 
-from . import graded_cell
-from .cells import (exercise_of, given_statements, graded_cells, lab_id, nbgrader_meta,
-                    observed_of, parse)
-from .exercises import lab_version, submitted_version, syntax_error, titles, untouched
+from ..notebook import graded_cell
+from ..notebook.cells import (exercise_of, given_statements, graded_cells, lab_id,
+                              nbgrader_meta, observed_of, parse)
+from ..notebook.exercises import lab_version, submitted_version, syntax_error, titles, untouched
 from .guard import called_in, forbidden_of, notebook_violations
 from .sandbox import Limits, Sandbox
 from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
@@ -124,7 +123,7 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
                    folder: Optional[str] = None) -> NotebookGrade:
     """Score one submission against the matching lab in ``labs`` (see :func:`load_solutions`):
     read it, match its lab, prepare it, read it statically, run it, score each graded cell.
-    ``pool``: the run's :class:`~mgpu_lab.course.judge_pool.JudgePool` (None: a judge
+    ``pool``: the run's :class:`~mgpu_lab.course.grading.judge_pool.JudgePool` (None: a judge
     process of its own); ``folder``: the real folder the notebook must lie in (a
     symbolic link out of it is refused, never read)."""
     from .sandbox import probe
@@ -197,7 +196,7 @@ def attempts_of(prepared, instructor) -> dict:
     """``{graded grade_id: (error, message, in its own exercise cell)}`` where the
     learner's cells say why its check fails: its exercise cell is the lab's stub
     ("NotAttempted"), or it (else an earlier cell of the learner's) is not valid Python."""
-    from .notebooks import strip_solution
+    from ..notebook.notebooks import strip_solution
     stubs = {nbgrader_meta(c).get("grade_id"): strip_solution(c.source)
              for c in instructor.cells if nbgrader_meta(c).get("solution") and c.cell_type == "code"}
     exercise, out, broken = exercise_of(instructor), {}, None
@@ -230,7 +229,7 @@ def attempts_of(prepared, instructor) -> dict:
 
 def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
     """What the static pass and the run say about graded cell ``gid`` (at ``index``), in
-    words a report may show (:func:`~mgpu_lab.course.scoring.kernel_error`)."""
+    words a report may show (:func:`~mgpu_lab.course.grading.scoring.kernel_error`)."""
     if gid in prepared.missing:
         return Evidence(missing=True)
     found = Evidence(tampering=[f"{w}: {what}" for w, what, gids in tampered if gid in gids])

@@ -2,10 +2,10 @@
 
     python -c RUNNER_COMMAND      (started by the grader: :data:`.protocol.RUNNER_COMMAND`)
 
-It speaks :mod:`mgpu_lab.course.protocol`: the grader sends a ``Header`` (the
+It speaks :mod:`mgpu_lab.course.grading.protocol`: the grader sends a ``Header`` (the
 submission with every graded cell's source left out, the limits, the "must not call"
 lists). Before each graded cell the runner sends ``Need``; the grader answers with a
-``Probe``: the cell's probe part (:mod:`mgpu_lab.course.graded_cell`) and the check's
+``Probe``: the cell's probe part (:mod:`mgpu_lab.course.notebook.graded_cell`) and the check's
 inputs as plain data, which the runner loads into the kernel's namespace before the
 probe runs. After it, the runner saves the names the probe bound (``torch.save`` in
 the kernel) and sends them back in an ``Answer``: the grader's judge process reads

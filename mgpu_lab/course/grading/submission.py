@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import nbformat
 
-from .cells import DEMO_TAG, exercise_of, graded_cells, nbgrader_meta, tags
+from ..notebook.cells import DEMO_TAG, exercise_of, graded_cells, nbgrader_meta, tags
 from .protocol import PLACEHOLDER
 
 

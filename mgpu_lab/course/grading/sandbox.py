@@ -1,7 +1,7 @@
 """A sandbox for every graded kernel: bubblewrap (``bwrap``), limits, nothing else.
 
 The grader runs a submission's notebook (the kernel *and* the client that
-drives it, :mod:`mgpu_lab.course.runner`) inside ``bwrap``, Debian's small
+drives it, :mod:`mgpu_lab.course.grading.runner`) inside ``bwrap``, Debian's small
 setuid-free sandbox tool built on Linux namespaces (no daemon, no image). What
 the submission sees:
 

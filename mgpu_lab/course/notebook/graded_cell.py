@@ -15,7 +15,7 @@ Run as a cell (a solution under nbval, a learner checking their work) it is
 just code, top to bottom. Graded, it is split at the two marker lines:
 
 - the **inputs** part runs in the grader's trusted *judge* process
-  (:mod:`mgpu_lab.course.judge`); the names it binds that are plain data
+  (:mod:`mgpu_lab.course.grading.judge`); the names it binds that are plain data
   (tensors, numbers, strings, lists, dicts: what ``torch.load(weights_only=True)``
   reads) are sent into the learner's kernel, the others are deleted there;
 - the **probe** part runs in the learner's sandboxed kernel; the names it binds

@@ -20,9 +20,9 @@ from typing import List, Optional, Sequence
 
 import nbformat
 
-from .kernel import run_notebook
-from .cells import nbgrader_meta
-from .layout import course_dir
+from ..grading.kernel import run_notebook
+from ..notebook.cells import nbgrader_meta
+from ..notebook.layout import course_dir
 
 
 @dataclass

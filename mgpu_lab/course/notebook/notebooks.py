@@ -21,7 +21,7 @@ it changes when a graded cell changes, and a submission made from another versio
 graded with a note saying so.
 
 The commands that use it (``mgpu-lab labs build/execute/copy/check``) are in
-:mod:`.labs_command`.
+:mod:`~mgpu_lab.course.authoring.labs_command`.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from .exercises import asserts_without_message, lab_version, points_mismatches
 
 __all__ = ["MarkerError", "strip_solution", "check_notebook", "lint_notebook", "make_lab",
            "build_labs",
-           "clean_outputs", "execute_notebook", "graded_cells", "lab_id", "nbgrader_meta"]
+           "clean_outputs", "graded_cells", "lab_id", "nbgrader_meta"]
 
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
@@ -226,16 +226,3 @@ def clean_outputs(nb) -> None:
                 if mime.startswith("text/") and isinstance(value, str):
                     out["data"][mime] = KERNEL_PATH.sub("<cell>", value)
 
-
-def execute_notebook(path: Path, timeout: float = 600.0) -> List[str]:
-    """Run a solution in place (cwd = its folder), store outputs; list failures."""
-    from .kernel import run_notebook  # the grader's kernels and time limits
-
-    path = Path(path)
-    nb = nbformat.read(path, as_version=4)
-    results = run_notebook(nb, cwd=path.parent, timeout=timeout, desc=path.name)
-    failures = [f"{path.name} cell {r.index}: {r.error}: {r.message}"
-                for r in results if r.error and not r.expected_error]
-    clean_outputs(nb)
-    nbformat.write(nb, path)
-    return failures

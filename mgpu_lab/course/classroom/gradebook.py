@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
-from .scoring import NotebookGrade
+from ..grading.scoring import NotebookGrade
 
 POLICIES = ("best", "latest")
 _RESUBMITTED = re.compile(r"-(\d+)$")     # Canvas renames a re-uploaded lab.ipynb lab-1.ipynb
@@ -115,7 +115,8 @@ def as_gradebook(grades, **kwargs) -> Gradebook:
 
 
 def lab_points(labs: Dict[str, object]) -> Dict[str, float]:
-    """``{lab id: its points}`` of instructor notebooks (:func:`.grader.load_solutions`)."""
-    from .cells import graded_cells, nbgrader_meta
+    """``{lab id: its points}`` of instructor notebooks
+    (:func:`~mgpu_lab.course.grading.grader.load_solutions`)."""
+    from ..notebook.cells import graded_cells, nbgrader_meta
     return {lab: float(sum(nbgrader_meta(c).get("points", 0) for c in graded_cells(nb).values()))
             for lab, nb in labs.items()}

@@ -1,7 +1,7 @@
 """One graded run of a submission: the runner in its sandbox, a judge beside it.
 
 :func:`run_prepared` starts the two processes and holds the conversation of
-:mod:`mgpu_lab.course.protocol` between them, in three parts:
+:mod:`mgpu_lab.course.grading.protocol` between them, in three parts:
 
 - :func:`runner_command`: how the runner starts (inside bubblewrap, or not), with
   which environment and working folder;
@@ -25,8 +25,8 @@ from typing import Dict, List, Optional
 
 import nbformat
 
-from . import graded_cell
-from .cells import given_sources, graded_cells, setup_sources
+from ..notebook import graded_cell
+from ..notebook.cells import given_sources, graded_cells, setup_sources
 from .guard import forbidden_of
 from .judge import MEMORY_ENV, JudgeError, JudgeProcess
 from .protocol import (RUNNER_COMMAND, Answer, Channel, Header, KernelStarted, Need, Outcome,
@@ -183,8 +183,8 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
                  pool=None) -> RunOutcome:
     """Run the submission in the runner (sandboxed when ``box.available``), each graded
     cell's probe in its kernel and its judge here, in a judge process (forked from
-    ``pool``'s zygote of the lab, when given: :mod:`mgpu_lab.course.judge_pool`; and,
-    sandboxed, the kernel forked warm from ``pool``'s: :mod:`mgpu_lab.course.warm_kernel`).
+    ``pool``'s zygote of the lab, when given: :mod:`mgpu_lab.course.grading.judge_pool`; and,
+    sandboxed, the kernel forked warm from ``pool``'s: :mod:`mgpu_lab.course.grading.warm_kernel`).
 
     ``settled``: indices of graded cells already scored 0 by the static pass: their
     probes are not run (an empty probe is sent in its place) and not judged; the

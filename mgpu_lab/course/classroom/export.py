@@ -30,7 +30,7 @@ import zipfile
 from pathlib import Path
 from typing import Dict, List
 
-from .layout import course_dir, select_labs
+from ..notebook.layout import course_dir, select_labs
 from .platforms import CONFIG, RESERVE
 
 PACKAGE = "mgpu_lab_package"
@@ -50,7 +50,7 @@ python3 -m venv /opt/mgpu-lab
 /opt/mgpu-lab/bin/pip install --quiet --upgrade pip
 /opt/mgpu-lab/bin/pip install --quiet "{torch}" --index-url {index}
 /opt/mgpu-lab/bin/pip install --quiet "$SOURCE/{package}[course]"
-/opt/mgpu-lab/bin/python -c "import mgpu_lab.course.platforms, torch; print(torch.__version__)"
+/opt/mgpu-lab/bin/python -c "import mgpu_lab.course.classroom.platforms, torch; print(torch.__version__)"
 chmod 0700 "$SOURCE"
 """
 RUN_AUTOGRADER = """#!/usr/bin/env bash
@@ -58,7 +58,7 @@ RUN_AUTOGRADER = """#!/usr/bin/env bash
 # grades submission/*.ipynb with the solutions in source/, writes results/results.json.
 export AUTOGRADER_ROOT="${AUTOGRADER_ROOT:-/autograder}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "${MGPU_LAB_PYTHON:-/opt/mgpu-lab/bin/python}" -m mgpu_lab.course.platforms gradescope \\
+exec "${MGPU_LAB_PYTHON:-/opt/mgpu-lab/bin/python}" -m mgpu_lab.course.classroom.platforms gradescope \\
     --root "$AUTOGRADER_ROOT"
 """
 RUN_SH = """#!/usr/bin/env bash
@@ -66,7 +66,7 @@ RUN_SH = """#!/usr/bin/env bash
 # student/*.ipynb with the solutions in tests/, writes results/results.json.
 export GRADE_ROOT="${GRADE_ROOT:-/grade}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "${MGPU_LAB_PYTHON:-python3}" -m mgpu_lab.course.platforms prairielearn --root "$GRADE_ROOT"
+exec "${MGPU_LAB_PYTHON:-python3}" -m mgpu_lab.course.classroom.platforms prairielearn --root "$GRADE_ROOT"
 """
 DOCKERFILE = """# The image PrairieLearn grades in (written by `mgpu-lab export prairielearn`):
 #   docker build -t {image} . && docker push {image}
@@ -176,7 +176,7 @@ def _add(z: zipfile.ZipFile, name: str, data: bytes, mode: int) -> None:
 def export_prairielearn(labs: Dict[str, Path], out: Path, args) -> List[Path]:
     """Write ``out/<lab>/`` per lab and ``out/image/``; the question folders."""
     import nbformat
-    from .exercises import lab_version
+    from ..notebook.exercises import lab_version
     image = args.image or "mgpu-lab-grader:latest"
     (out / "image").mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "image" / PACKAGE, ignore_errors=True)

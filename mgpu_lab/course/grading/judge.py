@@ -1,11 +1,11 @@
 """The judge: where a graded cell's verdict is computed, out of the learner's reach.
 
-    python -m mgpu_lab.course.judge      (started by the grader, never by hand)
+    python -m mgpu_lab.course.grading.judge      (started by the grader, never by hand)
 
 A process of the grader's own, with the instructor's code only: it never imports,
 unpickles or runs anything the learner wrote. It runs the instructor's cells tagged
 ``setup`` (imports, models, helpers the checks use); then, per graded cell
-(:mod:`mgpu_lab.course.graded_cell`):
+(:mod:`mgpu_lab.course.notebook.graded_cell`):
 
 1. ``Inputs``: runs the cell's inputs part in a fresh copy of the setup namespace and
    returns the names it bound that are plain data (the grader sends them into the
@@ -15,7 +15,7 @@ unpickles or runs anything the learner wrote. It runs the instructor's cells tag
    over the inputs' names and runs the judge part: its exception, or none, is the verdict.
 
 It runs under a memory limit (``RLIMIT_AS``, :func:`limit_memory`) where no GPU is
-present. The messages are :mod:`mgpu_lab.course.protocol`'s; :class:`JudgeProcess` is
+present. The messages are :mod:`mgpu_lab.course.grading.protocol`'s; :class:`JudgeProcess` is
 the grader's side.
 """
 from __future__ import annotations
@@ -197,7 +197,7 @@ def run_setup(cells: List[str], base: dict) -> Reply:
 
 def serve(pipe, base: dict) -> int:
     """Answer requests until the pipe closes; ``base``: the setup namespace."""
-    from .graded_cell import bound_names
+    from ..notebook.graded_cell import bound_names
     spaces: Dict[str, dict] = {}
     for req in pipe:
         try:
@@ -283,7 +283,7 @@ class JudgeClient:
 
     def verdict(self, grade_id: str, source: str, answer: Dict[str, str],
                 missing: List[str]) -> Reply:
-        """The judge part's :class:`~mgpu_lab.course.protocol.Reply`: ``ok``, or the
+        """The judge part's :class:`~mgpu_lab.course.grading.protocol.Reply`: ``ok``, or the
         exception's name, its line of the cell, and (an assertion's) message."""
         return self._ask(f"{grade_id}'s judge", Judge(grade_id, source, answer, missing))
 
@@ -293,7 +293,7 @@ class JudgeProcess(JudgeClient):
 
     def __init__(self, env: dict, cwd: str, timeout: float):
         self.timeout = timeout
-        self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_lab.course.judge"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "mgpu_lab.course.grading.judge"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, cwd=cwd, env=env,
                                      start_new_session=True)

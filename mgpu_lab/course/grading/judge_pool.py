@@ -8,16 +8,16 @@ judge is a fork of it, in its own session and working folder, with the zygote's 
 as the setup cells left it (the same state a fresh judge would have: setup cells define,
 they do not start processes or keep files a check writes; ``docs/AUTHORING.md``).
 
-    python -m mgpu_lab.course.judge_pool      (the zygote; started by :class:`JudgePool`)
+    python -m mgpu_lab.course.grading.judge_pool      (the zygote; started by :class:`JudgePool`)
 
 In a sandboxed run the zygote is itself a fork, of the run's warm zygote
-(:mod:`mgpu_lab.course.warm_kernel`), which imported torch and ``mgpu_lab`` already: a lab's
+(:mod:`mgpu_lab.course.grading.warm_kernel`), which imported torch and ``mgpu_lab`` already: a lab's
 judges then cost only its setup cells (about 1.5 s of CPU less per lab).
 
-The zygote speaks :mod:`mgpu_lab.course.protocol` on its pipes (``Setup``, then
+The zygote speaks :mod:`mgpu_lab.course.grading.protocol` on its pipes (``Setup``, then
 ``Fork`` -> ``Forked``) and takes each child's two pipe ends as file descriptors over a
 Unix socket (fd 3). Where anything of this fails, a notebook gets a fresh judge process
-of its own (:class:`~mgpu_lab.course.judge.JudgeProcess`), as without a pool.
+of its own (:class:`~mgpu_lab.course.grading.judge.JudgeProcess`), as without a pool.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ class Zygote:
         try:        # a fork of the run's warm zygote (its imports done), else a new process
             self.proc = warm.fork_judges(env, home, theirs) if warm is not None else None
             self.proc = self.proc or subprocess.Popen(
-                [sys.executable, "-m", "mgpu_lab.course.judge_pool", "--socket",
+                [sys.executable, "-m", "mgpu_lab.course.grading.judge_pool", "--socket",
                  str(theirs.fileno())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, cwd=home, env=env, start_new_session=True,
                 pass_fds=(theirs.fileno(),))
@@ -186,7 +186,7 @@ class JudgePool:
         self.kernels = None
 
     def warm_kernels(self, env: dict):
-        """The run's :class:`~mgpu_lab.course.warm_kernel.WarmKernels` (``env``: the
+        """The run's :class:`~mgpu_lab.course.grading.warm_kernel.WarmKernels` (``env``: the
         sandbox's, the same for every notebook), made on first use."""
         from .warm_kernel import WarmKernels
         with self.lock:

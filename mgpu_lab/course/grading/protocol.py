@@ -1,7 +1,7 @@
 """The messages between the grader and its two kinds of child process, and their pipes.
 
-Both children (the sandboxed *runner*, :mod:`mgpu_lab.course.runner`, and the trusted
-*judge*, :mod:`mgpu_lab.course.judge`) speak one JSON line per message over their
+Both children (the sandboxed *runner*, :mod:`mgpu_lab.course.grading.runner`, and the trusted
+*judge*, :mod:`mgpu_lab.course.grading.judge`) speak one JSON line per message over their
 stdin and stdout, and start with the same prelude (:func:`child_pipe`): they keep the
 two pipe ends to themselves, read ``/dev/null`` as stdin and print to stderr, so that
 nothing they run (a kernel, a check's ``print``) can write into the protocol.
@@ -21,9 +21,9 @@ and, when the header says ``warm``, before each kernel start (the first, and eac
     grader -> runner   KernelStarted   the warm kernel's pid, or None: start it yourself
 
 The judge's, per request: ``Setup`` | ``Inputs`` | ``Judge`` -> ``Reply``; a judge's
-zygote (one per lab, :mod:`mgpu_lab.course.judge_pool`) answers ``Setup`` once, then
+zygote (one per lab, :mod:`mgpu_lab.course.grading.judge_pool`) answers ``Setup`` once, then
 ``Fork`` -> ``Forked``. In a sandboxed run the judge zygotes are forks of the warm zygote
-(:mod:`mgpu_lab.course.warm_kernel`): ``ForkJudges`` -> ``Forked``.
+(:mod:`mgpu_lab.course.grading.warm_kernel`): ``ForkJudges`` -> ``Forked``.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ RUNNER_COMMAND = ("import runpy, sys, types, importlib.util; "
                   "package = types.ModuleType('mgpu_lab'); "
                   "package.__path__ = list(importlib.util.find_spec('mgpu_lab').submodule_search_locations); "
                   "sys.modules['mgpu_lab'] = package; "
-                  "runpy.run_module('mgpu_lab.course.runner', run_name='__main__', alter_sys=True)")
+                  "runpy.run_module('mgpu_lab.course.grading.runner', run_name='__main__', alter_sys=True)")
 ANSWER_LIMIT = 64 * 2**20          # bytes of probe data per graded cell
 LINE_LIMIT = 2**28                 # bytes of one message
 

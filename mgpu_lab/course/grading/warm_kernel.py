@@ -2,7 +2,7 @@
 
 A graded kernel's start is nearly all imports: ipykernel, then torch and mgpu_lab
 (about 2 of the 2.8 s of CPU a kernel of the test suite costs). A grading run starts
-one **zygote** (``python -m mgpu_lab.course.warm_kernel``, with the sandbox's
+one **zygote** (``python -m mgpu_lab.course.grading.warm_kernel``, with the sandbox's
 environment): it imports what kernels import (:data:`IMPORTS`: installed code only,
 nothing of a lab or a submission) and then only forks. For a notebook, the runner in
 its sandbox asks for its kernel (``StartKernel``, :mod:`.protocol`); the grader passes
@@ -26,7 +26,7 @@ before anything of the notebook runs:
 The judges' zygotes of the run (:mod:`.judge_pool`, one per lab, outside the sandbox:
 they hold the instructor's checks) start as forks of this zygote too (``ForkJudges``):
 their own session, the judge's environment and folder, then ``python -m
-mgpu_lab.course.judge_pool`` as a new process would run it, its imports done.
+mgpu_lab.course.grading.judge_pool`` as a new process would run it, its imports done.
 
 A cold kernel and a warm one see the same sandbox (``tests/test_warm_kernel.py``
 grades one notebook of checks both ways). Where any step fails (no ``setns`` here, the
@@ -188,7 +188,7 @@ def _become_kernel(req: StartKernel, report: int, own: List[int], libc) -> None:
 
 
 def fork_judges(req: ForkJudges, sock: socket.socket):
-    """Fork a lab's judge zygote (``python -m mgpu_lab.course.judge_pool``, as the grader
+    """Fork a lab's judge zygote (``python -m mgpu_lab.course.grading.judge_pool``, as the grader
     would start it, but with this zygote's imports done): ``Forked``, or ``Reply`` why not."""
     _, fds, _, _ = socket.recv_fds(sock, 16, 3)
     if len(fds) != 3:
@@ -206,7 +206,7 @@ def fork_judges(req: ForkJudges, sock: socket.socket):
             _close_fds_but({0, 1, 2, fds[2]})          # this zygote's pipes and socket too
             _fresh_process(req.env, req.cwd)
             sys.argv = ["-m", "--socket", str(fds[2])]
-            runpy.run_module("mgpu_lab.course.judge_pool", run_name="__main__", alter_sys=True)
+            runpy.run_module("mgpu_lab.course.grading.judge_pool", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as done:
             code = done.code if isinstance(done.code, int) else 1
@@ -283,7 +283,8 @@ class WarmKernels:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:                            # importing while the first runner starts
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mgpu_lab.course.warm_kernel", "--socket", str(theirs.fileno())],
+                [sys.executable, "-m", "mgpu_lab.course.grading.warm_kernel", "--socket",
+                 str(theirs.fileno())],
                 cwd=self.home, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=(theirs.fileno(),))
             self.channel = Channel(self.proc.stdin, self.proc.stdout)

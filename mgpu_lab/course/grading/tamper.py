@@ -1,6 +1,6 @@
 """Tampering, found by reading the learner's cells (in the grader, never run).
 
-Since the judge decides out of the kernel's reach (:mod:`mgpu_lab.course.judge`),
+Since the judge decides out of the kernel's reach (:mod:`mgpu_lab.course.grading.judge`),
 patching ``torch.equal`` no longer changes a verdict. It is still reported: it
 is an attempt, and the checks that observe behaviour inside the kernel (threads,
 bytes kept, collectives issued) and the "must not call" guard live there. What
@@ -30,10 +30,10 @@ import ast
 from collections import ChainMap
 from typing import Dict, List, Mapping
 
-from . import graded_cell
-from .cells import (exercise_of, given_sources, given_statements, graded_cells, learners_lines,
-                    nbgrader_meta, parse, statements, walk)
-from .cells import dotted, import_aliases
+from ..notebook import graded_cell
+from ..notebook.cells import (exercise_of, given_sources, given_statements, graded_cells,
+                              learners_lines, nbgrader_meta, parse, statements, walk)
+from ..notebook.cells import dotted, import_aliases
 
 ALLOWED_SETTINGS = ("torch.backends.",)
 MAGICS = {"run_line_magic", "run_cell_magic", "system", "getoutput"}

@@ -1,7 +1,7 @@
 """``mgpu-lab grade``: a class's folder in; a summary, a report, JSON, CSV, feedback and
 the LMS's gradebooks out.
 
-See :mod:`mgpu_lab.course.grader` for what happens to each notebook. Here: grading N
+See :mod:`mgpu_lab.course.grading.grader` for what happens to each notebook. Here: grading N
 notebooks at once (``--jobs``: each one is its own sandboxed runner process) and the
 command; who handed in what is :mod:`.handins`'s, which notebook counts
 :mod:`.gradebook`'s, the reports :mod:`.report`'s and :mod:`.lms`'s.
@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import List
 
 from .gradebook import POLICIES, Gradebook, lab_points
-from .grader import grade_notebook, load_solutions
+from ..grading.grader import grade_notebook, load_solutions
 from .handins import Submission, find_submissions, only_labs
-from .layout import course_dir, find_root
+from ..notebook.layout import course_dir, find_root
 from .lms import read_roster, write_canvas_csv, write_nbgrader
 from .report import print_details, print_summary, write_csv, write_feedback, write_json, write_report
-from .sandbox import Limits, Sandbox, probe, run_as_user
-from .scoring import NotebookGrade, brief
+from ..grading.sandbox import Limits, Sandbox, probe, run_as_user
+from ..grading.scoring import NotebookGrade, brief
 
 __all__ = ["Submission", "find_submissions", "grade_class", "only_labs"]
 
@@ -29,9 +29,9 @@ __all__ = ["Submission", "find_submissions", "grade_class", "only_labs"]
 def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
                 progress=True) -> List[NotebookGrade]:
     """Grade every ``(student, path)``, ``jobs`` at a time; in the input's order. The
-    judges of one lab's notebooks are forks of one process (:mod:`.judge_pool`)."""
-    from .judge_pool import JudgePool
-    from .session import JUDGE_TIMEOUT, judge_environment
+    judges of one lab's notebooks are forks of one process (:mod:`~mgpu_lab.course.grading.judge_pool`)."""
+    from ..grading.judge_pool import JudgePool
+    from ..grading.session import JUDGE_TIMEOUT, judge_environment
     pool = JudgePool(lambda home: judge_environment(home, limits.memory_gib),
                      max(timeout, JUDGE_TIMEOUT))
 
@@ -153,7 +153,7 @@ def _grade(args, solutions, submissions, labs, roster, run_as, unpacked) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from . import grader
+    from ..grading import grader
     p = subparsers.add_parser("grade", help="score a class's notebooks (sandboxed)",
                               description=grader.__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", metavar="PATH",

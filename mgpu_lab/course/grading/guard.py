@@ -6,7 +6,7 @@ static half reads only patterns, and the run-time half lives in the learner's ow
 process, where code that is not a notebook cell (``exec`` of a string, a thread, a
 module written to disk) or the guard's own state can reach past it. What a score rests
 on is the judge's verdict on data only a working implementation produces
-(:mod:`mgpu_lab.course.judge`, docs/INSTRUCTORS.md's "A score is evidence").
+(:mod:`mgpu_lab.course.grading.judge`, docs/INSTRUCTORS.md's "A score is evidence").
 
 A from-scratch exercise declares, on the instructor's graded cell, the references it
 re-implements::
@@ -41,7 +41,7 @@ import types
 from collections import ChainMap
 from typing import Dict, Iterable, List, Mapping, Optional, Set
 
-from .cells import course_meta, dotted_parts, import_aliases, scan
+from ..notebook.cells import course_meta, dotted_parts, import_aliases, scan
 
 MESSAGE = "this exercise must not call {}"
 CALLED = re.compile(MESSAGE.format(r"([\w.]+)"))
@@ -167,7 +167,7 @@ def references(forbidden: Iterable[str]) -> References:
 
 def static_violations(source: str, forbidden: List[str], aliases: Mapping[str, str]) -> List[str]:
     """The forbidden references that ``source`` names (empty when none)."""
-    from .cells import parse
+    from ..notebook.cells import parse
     tree = parse(source)
     own = import_aliases([tree])
     return sorted(references(forbidden).in_tree(tree, ChainMap(own, aliases)))
@@ -190,9 +190,9 @@ def notebook_violations(student, instructor, given: Optional[Set[str]] = None,
     alias, a helper, an import: a way round the check from elsewhere), directly or through
     other such names. Linear in the notebook's size; ``check()`` is called as it goes
     (it raises when the static pass is out of time)."""
-    from .cells import (exercise_of, given_statements, graded_cells, learners_lines,
-                        nbgrader_meta, parse, statements)
-    from .graded_cell import names_bound
+    from ..notebook.cells import (exercise_of, given_statements, graded_cells, learners_lines,
+                                  nbgrader_meta, parse, statements)
+    from ..notebook.graded_cell import names_bound
     tests, exercise = graded_cells(instructor), exercise_of(instructor)
     wanted = {gid: forbidden_of(cell) for gid, cell in tests.items()}
     wanted = {gid: f for gid, f in wanted.items() if f and exercise[gid]}
@@ -367,7 +367,7 @@ def uninstall() -> List[str]:
 
 # --- what the runner sends into the kernel ------------------------------------------
 
-_IN_KERNEL = '__import__("mgpu_lab.course.guard", fromlist=["guard"])'
+_IN_KERNEL = '__import__("mgpu_lab.course.grading.guard", fromlist=["guard"])'
 UNINSTALL = f"{_IN_KERNEL}.uninstall()"     # a user expression: its value lists the calls seen
 
 

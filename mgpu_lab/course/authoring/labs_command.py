@@ -6,18 +6,21 @@
     mgpu-lab labs check NN                         one lab, as CI checks it (the author's loop)
 
 They work on the checkout they are run in: ``labs/`` and ``solutions/`` are found by
-walking up from the current folder (or ``--root``; :mod:`.layout`). The notebooks'
-machinery is :mod:`.notebooks`.
+walking up from the current folder (or ``--root``; :mod:`~mgpu_lab.course.notebook.layout`).
+The notebooks' machinery is :mod:`~mgpu_lab.course.notebook.notebooks`; ``labs execute`` runs
+them in the grader's kernels (:mod:`~mgpu_lab.course.grading.kernel`).
 """
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, List
 
-from .layout import copy_labs, course_dir, find_root
-from .notebooks import MarkerError, build_labs, execute_notebook
+import nbformat
+
+from ..notebook.layout import copy_labs, course_dir, find_root
+from ..notebook.notebooks import MarkerError, build_labs, clean_outputs
 
 
 def _cmd_build(args) -> int:
@@ -38,6 +41,20 @@ def _cmd_build(args) -> int:
     if not stale:
         print(f"labs up to date ({args.labs})")
     return 0
+
+
+def execute_notebook(path: Path, timeout: float = 600.0) -> List[str]:
+    """Run a solution in place (cwd = its folder), store outputs; list failures."""
+    from ..grading.kernel import run_notebook  # the grader's kernels and time limits
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    results = run_notebook(nb, cwd=path.parent, timeout=timeout, desc=path.name)
+    failures = [f"{path.name} cell {r.index}: {r.error}: {r.message}"
+                for r in results if r.error and not r.expected_error]
+    clean_outputs(nb)
+    nbformat.write(nb, path)
+    return failures
 
 
 def _cmd_execute(args) -> int:

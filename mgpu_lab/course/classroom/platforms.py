@@ -1,8 +1,8 @@
 """Gradescope's and PrairieLearn's graders: one submission, graded as ``mgpu-lab grade``
 grades it, its results in the platform's own format.
 
-    python -m mgpu_lab.course.platforms gradescope   [--root /autograder]
-    python -m mgpu_lab.course.platforms prairielearn [--root /grade]
+    python -m mgpu_lab.course.classroom.platforms gradescope   [--root /autograder]
+    python -m mgpu_lab.course.classroom.platforms prairielearn [--root /grade]
 
 ``mgpu-lab export`` (:mod:`.export`) writes the scripts that run this: Gradescope's
 ``run_autograder`` and PrairieLearn's entrypoint. The layouts are the platforms':
@@ -56,7 +56,7 @@ def choose_sandbox(config: dict, secret: Path):
     be had (the grader refuses rather than let a submission read the solutions), unless the
     config says ``"sandbox": "off"``. ``$MGPU_LAB_SANDBOX`` (auto, bwrap, run-as, off)
     overrides the config."""
-    from .sandbox import Sandbox, probe, run_as_user
+    from ..grading.sandbox import Sandbox, probe, run_as_user
     mode = os.environ.get("MGPU_LAB_SANDBOX") or config["sandbox"]
     if mode == "off":
         return Sandbox(False, "sandbox off in the export")
@@ -78,7 +78,7 @@ def runs_python(run_as) -> None:
     interpreter, libraries and packages must be readable by every user)."""
     import subprocess
     try:
-        done = subprocess.run([sys.executable, "-c", "import mgpu_lab.course.runner"],
+        done = subprocess.run([sys.executable, "-c", "import mgpu_lab.course.grading.runner"],
                               user=run_as[0], group=run_as[1], extra_groups=[], cwd="/",
                               capture_output=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as err:
@@ -104,14 +104,14 @@ def memory_gib(config: dict) -> float:
 def grade_submission(folder: Path, solutions: Path, config: dict, budget: float):
     """``(Gradebook, sandbox line, {lab: its exercises at 0})`` of every notebook in
     ``folder``, one student's, within ``budget`` seconds."""
-    from .cells import graded_cells, nbgrader_meta
-    from .classroom import grade_class
-    from .exercises import titles
+    from ..notebook.cells import graded_cells, nbgrader_meta
+    from .grade import grade_class
+    from ..notebook.exercises import titles
     from .gradebook import Gradebook, lab_points
-    from .grader import load_solutions
+    from ..grading.grader import load_solutions
     from .handins import Submission, notebooks_in
-    from .sandbox import Limits
-    from .scoring import ExerciseScore
+    from ..grading.sandbox import Limits
+    from ..grading.scoring import ExerciseScore
     labs = {lab: nb for lab, nb in load_solutions(solutions).items()
             if not config["labs"] or lab in config["labs"]}
     blanks = {lab: [ExerciseScore(gid, 0.0, float(nbgrader_meta(c)["points"]),
@@ -137,7 +137,7 @@ def exercises_of(book, lab: str, blanks: dict) -> Tuple[list, Optional[object]]:
     g = book.counted(STUDENT, lab)
     if g is not None and g.exercises:
         return g.exercises, g
-    from .scoring import ExerciseScore
+    from ..grading.scoring import ExerciseScore
     shown = blanks.get(lab, [])
     why = g.error if g is not None and g.error else f"no notebook of lab {lab} was handed in"
     return [ExerciseScore(e.grade_id, 0.0, e.max_score, "NotGraded", why, title=e.title)
@@ -236,7 +236,7 @@ def watchdog(platform: str, results: Path, seconds: float, config: dict) -> thre
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mgpu_lab.course.platforms")
+    parser = argparse.ArgumentParser(prog="python -m mgpu_lab.course.classroom.platforms")
     parser.add_argument("platform", choices=sorted(LAYOUTS))
     parser.add_argument("--root", help="the platform's root folder (default: its variable, "
                         "else its usual path)")

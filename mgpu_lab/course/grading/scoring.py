@@ -4,12 +4,12 @@ The evidence about one graded cell comes from four places; the first that speaks
 decides (:data:`PRECEDENCE`):
 
 1. **Tampering**: the static pass found the learner's cells patching the kernel
-   (:mod:`mgpu_lab.course.tamper`);
+   (:mod:`mgpu_lab.course.grading.tamper`);
 2. **ForbiddenCall**: the exercise called what it re-implements, by the static pass or
-   the run-time guard (:mod:`mgpu_lab.course.guard`; a courtesy message);
+   the run-time guard (:mod:`mgpu_lab.course.grading.guard`; a courtesy message);
 3. **the kernel's error**: the probe, or the learner's code it called, raised (or the
    cell timed out, the kernel died...);
-4. **the judge's verdict** on the probe's data (:mod:`mgpu_lab.course.judge`): an
+4. **the judge's verdict** on the probe's data (:mod:`mgpu_lab.course.grading.judge`): an
    exception, or none, which scores the points.
 
 A failure of 3. or 4. is explained by the exercise's own cell when it says why

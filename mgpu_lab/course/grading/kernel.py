@@ -16,7 +16,7 @@ solution is executed exactly as a submission is graded:
 ``before(client, index, cell)`` and ``after(client, index, cell, result)`` (async)
 run around each cell's first execution (not around replays): the grader's
 runner fills a graded cell's source in ``before`` and sets or lifts the
-"must not call" guards (:mod:`mgpu_lab.course.guard`) with :func:`silent`.
+"must not call" guards (:mod:`mgpu_lab.course.grading.guard`) with :func:`silent`.
 
 What it costs: one kernel start (about two seconds of CPU, nearly all imports) per
 notebook and per restart, and the replay of the earlier cells after a restart. The

@@ -6,12 +6,13 @@ exercise's outcome, tampering findings, notes, what a check observes in the kern
 to the instructor's report (``--report``, ``--details``) and the JSON, never to a
 student's feedback.
 
-Messages are bounded (:func:`mgpu_lab.course.scoring.brief`: a few hundred
-characters) and never carry text the learner's code chose (:mod:`.scoring`). What the
-learner still names (a folder, a file) is written so that nothing reads it as code: a
-CSV cell a spreadsheet would take for a formula gets a leading ``'`` (OWASP's rule:
-``= + - @``, tab, carriage return), and feedback escapes markdown and HTML. One
-student's report that cannot be written costs that file only.
+Messages are bounded (:func:`mgpu_lab.course.grading.scoring.brief`: a few hundred
+characters) and never carry text the learner's code chose
+(:mod:`~mgpu_lab.course.grading.scoring`). What the learner still names (a folder, a file)
+is written so that nothing reads it as code: a CSV cell a spreadsheet would take for a
+formula gets a leading ``'`` (OWASP's rule: ``= + - @``, tab, carriage return), and
+feedback escapes markdown and HTML. One student's report that cannot be written costs
+that file only.
 """
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ def _safe(name: str) -> str:
 def write_feedback(grades, folder) -> List[Path]:
     """``folder/<student>/<lab>.md`` for the notebook that counts (and one per notebook
     that could not be matched to a lab): each exercise by its title, its points and
-    :meth:`~.scoring.ExerciseScore.outcome` (every text a learner could have chosen
+    :meth:`~mgpu_lab.course.grading.scoring.ExerciseScore.outcome` (every text a learner could have chosen
     escaped: :func:`markdown_safe`), and the notes a student needs (which notebook
     counted, the lab version). What checks observe in the kernel is the instructor's."""
     book, written = as_gradebook(grades), []
