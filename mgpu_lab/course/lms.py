@@ -258,10 +258,12 @@ def canvas_columns(labs: Iterable[str], roster: Optional[Roster],
                              f"{', '.join(repr(c) for c in found)}; choose one with "
                              f"--assignment {lab.split('_')[0]}={example}")
         chosen[lab] = found[0] if found else None
-        if not found:
-            warnings.append(f"lab {lab}: no column of the roster names it (its assignments: "
-                            f"{listed}): left out of the import (Canvas would make a new "
-                            f"assignment of it); map it with --assignment "
+    free = ", ".join(f'"{c}"' for c in columns if c not in chosen.values()) or "none"
+    for lab in labs:
+        if roster is not None and chosen[lab] is None:
+            warnings.append(f"lab {lab}: no column of the roster names it (its other "
+                            f"assignments: {free}): left out of the import (Canvas would make a "
+                            f"new assignment of it); map it with --assignment "
                             f"{lab.split('_')[0]}=ID or =TITLE")
     used: Dict[str, str] = {}
     for lab, column in chosen.items():
