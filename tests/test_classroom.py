@@ -35,12 +35,12 @@ try:
 except ImportError:
     HAS_NBGRADER = False
 
-ROSTER = """Student,ID,SIS User ID,SIS Login ID,Section,toy (555),Current Score
-    Points Possible,,,,,5,
-"Doe, Jane",101,s101,jdoe,A,,
-"Smith, John",102,s102,jsmith,A,,
-"Roe, Eric",103,s103,eroe,B,,
-"Absent, Ann",104,s104,aabsent,B,,
+ROSTER = """Student,ID,SIS User ID,SIS Login ID,Section,toy (555),Toy two (556),Current Score
+    Points Possible,,,,,5,10,
+"Doe, Jane",101,s101,jdoe,A,,,
+"Smith, John",102,s102,jsmith,A,,,
+"Roe, Eric",103,s103,eroe,B,,,
+"Absent, Ann",104,s104,aabsent,B,,4,
 """
 
 
@@ -91,6 +91,7 @@ def klass(tmp_path_factory):
     out = subprocess.run(
         [sys.executable, "-m", "mgpu_lab", "grade", str(download), "--solutions", str(sol),
          "--roster", str(tmp / "roster.csv"), "--canvas", str(tmp / "canvas.csv"),
+         "--assignment", "toy2=556", "--canvas-feedback", str(tmp / "canvas-feedback"),
          "--policy", "latest", "--csv", str(tmp / "g.csv"), "--json", str(tmp / "g.json"),
          "--report", str(tmp / "report.txt"), "--feedback", str(tmp / "fb"),
          "--jobs", "2", "--quiet", "--timeout", "60"] + to_nbgrader + UNSANDBOXED_IF_NEEDED,
@@ -119,15 +120,22 @@ def test_a_canvas_download_and_roster_through_to_canvas_import_csv(klass):
     assert code == 0, err
     table = rows(tmp / "canvas.csv")
     assert table[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", "toy (555)",
-                        "toy2"]
+                        "Toy two (556)"]                 # toy2: by --assignment toy2=556
     assert table[1] == ["    Points Possible", "", "", "", "", "5", "5"]
     by_id = {r[1]: r for r in table[2:]}
     assert by_id["101"][5:] == ["2", "5"]            # latest: the re-upload, which lost mul
-    assert by_id["102"][5:] == ["3", ""]             # toy2 not handed in: blank, unchanged
+    assert by_id["102"][5:] == ["3", ""]             # toy2 not handed in: Canvas has nothing
     assert by_id["103"][5:] == ["0", ""]
-    assert by_id["104"][5:] == ["", ""]              # in the roster, handed in nothing
+    assert by_id["104"][5:] == ["", "4"]             # handed in nothing: Canvas's score stays
     assert by_id["101"][:5] == ["Doe, Jane", "101", "s101", "jdoe", "A"]
     assert table[-1][:2] == ["oldie", "106"] and "oldie is not in the roster" in err
+    assert "'Toy two (556)' is out of 10 points in Canvas, lab toy2 out of 5" in err
+    with zipfile.ZipFile(tmp / "canvas-feedback" / "toy.zip") as z:   # for Re-Upload Submissions
+        assert sorted(z.namelist()) == ["doejane_101_9002_feedback.txt", "oldie_106_9006_feedback.txt",
+                                        "roeeric_103_9005_feedback.txt", "smithjohn_102_9004_feedback.txt"]
+        assert "Notebook: doejane_101_9002_toy-1.ipynb" in z.read("doejane_101_9002_feedback.txt").decode()
+    with zipfile.ZipFile(tmp / "canvas-feedback" / "toy2.zip") as z:
+        assert z.namelist() == ["doejane_101_9003_feedback.txt"]
 
 
 def test_summary_one_line_per_student_totals_equal_the_csv_maximum_never_shrinks(klass):

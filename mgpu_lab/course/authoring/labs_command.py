@@ -2,7 +2,8 @@
 
     mgpu-lab labs build [--check] [SOLUTION ...]   labs/ generated from solutions/
     mgpu-lab labs execute [NOTEBOOK ...]           run solutions in place, store outputs
-    mgpu-lab labs copy DIR [--labs NN ...]         the labs, to work in (no clone needed)
+    mgpu-lab labs copy DIR [--labs NN ...] [--update]  the labs, to work in (no clone needed);
+                                                   --update: a changed lab replaces an older copy
     mgpu-lab labs check NN                         one lab, as CI checks it (the author's loop)
 
 They work on the checkout they are run in: ``labs/`` and ``solutions/`` are found by
@@ -19,7 +20,7 @@ from typing import Iterable, List
 
 import nbformat
 
-from ..notebook.layout import copy_labs, course_dir, find_root
+from ..notebook.layout import backup_name, copy_labs, course_dir, find_root
 from ..notebook.notebooks import MarkerError, build_labs, clean_outputs
 
 
@@ -82,15 +83,23 @@ def _cmd_execute(args) -> int:
 
 def _cmd_copy(args) -> int:
     try:
-        copied, kept = copy_labs(args.dest, Path(args.root) / "labs" if args.root else None,
-                                 args.labs or ())
-    except (FileNotFoundError, NotADirectoryError) as err:
+        done = copy_labs(args.dest, Path(args.root) / "labs" if args.root else None,
+                         args.labs or (), update=args.update)
+    except (FileNotFoundError, NotADirectoryError, FileExistsError) as err:
         print(f"mgpu-lab labs copy: {err}", file=sys.stderr)
         return 2
-    for name in kept:
-        print(f"kept {args.dest / name}: already there (your work is never overwritten)")
-    print(f"copied {len(copied)} lab(s) to {args.dest}"
-          + (f": {', '.join(copied)}" if copied and len(copied) < 6 else "")
+    for name in done.kept:
+        print(f"kept {args.dest / name}: your work on this version of the lab (never overwritten)")
+    for name, (theirs, release) in done.older.items():
+        print(f"kept {args.dest / name}: made from an older version of the lab ({theirs or 'none'}"
+              f" -> {release}); `mgpu-lab labs copy {args.dest} --labs {name.split('_')[0]} "
+              f"--update` replaces it and keeps yours as {backup_name(args.dest / name).name}")
+    for name, backup in done.replaced.items():
+        print(f"replaced {args.dest / name} by this release's version; yours is {backup}")
+    print(f"copied {len(done.copied)} lab(s) to {args.dest}"
+          + (f": {', '.join(done.copied)}" if done.copied and len(done.copied) < 6 else "")
+          + (f"; replaced {len(done.replaced)}" if done.replaced else "")
+          + (f"; {len(done.same)} already this release" if done.same else "")
           + f"; open them with `jupyter lab {args.dest}`")
     return 0
 
@@ -105,8 +114,18 @@ def check_command(root: Path, lab: str) -> list:
             "-p", "no:cacheprovider", "-q"]
 
 
+README_TABLE_TEST = "tests/test_notebooks.py::test_readme_lab_table_matches_the_notebooks"
+
+
+def readme_table_command(root: Path) -> list:
+    """The pytest command of CI's check of README's lab table (each lab's exercises and
+    points), in the checkout ``root``."""
+    return [sys.executable, "-m", "pytest", README_TABLE_TEST, "-p", "no:cacheprovider", "-q"]
+
+
 def _cmd_check(args) -> int:
-    """``labs build --check`` for the lab, then :func:`check_command`; its exit status."""
+    """``labs build --check`` for the lab, README's lab table (:func:`readme_table_command`),
+    then :func:`check_command`; its exit status."""
     import subprocess
     from time import monotonic
     try:
@@ -118,7 +137,8 @@ def _cmd_check(args) -> int:
              if p.stem == args.lab or p.name.split("_")[0] == args.lab]
     if len(found) != 1 or not (root / "tests" / "test_mutants.py").is_file():
         print(f"mgpu-lab labs check: no single solution {args.lab!r} in {root / 'solutions'} "
-              "(or no tests/test_mutants.py: run it in the course checkout)", file=sys.stderr)
+              "(or no tests/test_mutants.py: it runs CI's tests, which are in the course "
+              "checkout, not in the package)", file=sys.stderr)
         return 2
     lab, start = found[0].stem, monotonic()
     try:
@@ -132,6 +152,18 @@ def _cmd_check(args) -> int:
         return 1
     env = dict(os.environ, MGPU_LAB_MUTANTS_SOLUTION="1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    if (root / README_TABLE_TEST.split("::")[0]).is_file():
+        table = subprocess.run(readme_table_command(root), cwd=root, env=env,
+                               capture_output=True, text=True)
+        if table.returncode != 0:
+            said = [line for line in table.stdout.splitlines() if "README says" in line]
+            print(f"mgpu-lab labs check: README.md's lab table is stale (CI's "
+                  f"{README_TABLE_TEST} fails): each lab's row says `| NN | ... | exercises "
+                  f"(points) |`:\n" + ("\n".join(said) or table.stdout[-3000:]), file=sys.stderr)
+            return 1
+    else:
+        print(f"mgpu-lab labs check: README's lab table not checked: no "
+              f"{README_TABLE_TEST.split('::')[0]} in {root}", file=sys.stderr)
     code = subprocess.call(check_command(root, lab), cwd=root, env=env)
     print(f"mgpu-lab labs check {lab}: {'passed' if code == 0 else 'FAILED'} "
           f"in {monotonic() - start:.0f} s")
@@ -160,15 +192,20 @@ def add_parser(subparsers) -> None:
     execute.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
     execute.set_defaults(func=_cmd_execute)
     copy_ = sub.add_parser("copy", help="copy the lab notebooks into a folder, to work in "
-                           "(adds labs it lacks; never overwrites one)")
+                           "(adds labs it lacks; --update replaces older versions, keeping "
+                           "yours as NAME.ipynb.bak)")
     copy_.add_argument("dest", type=Path, metavar="DIR")
     copy_.add_argument("--labs", nargs="+", metavar="NN",
                        help="only these labs (number, id or file name; default: all)")
     copy_.add_argument("--root", type=Path, help="take ROOT/labs (default: this checkout's, "
                        "else the labs installed with the package)")
+    copy_.add_argument("--update", action="store_true",
+                       help="replace a copy made from an older version of a lab (a changed "
+                            "lab) by this one; the old file is kept as NAME.ipynb.bak")
     copy_.set_defaults(func=_cmd_copy)
-    check = sub.add_parser("check", help="one lab as CI checks it: nbval, its solution (full "
-                           "marks), its untouched cells (0) and its mutants")
+    check = sub.add_parser("check", help="one lab as CI checks it: labs/ fresh, README's lab "
+                           "table, nbval, its solution (full marks), its untouched cells (0) "
+                           "and its mutants")
     check.add_argument("lab", metavar="NN", help="the lab's number (00) or name (00_setup)")
     check.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
     check.set_defaults(func=_cmd_check)

@@ -18,7 +18,8 @@ from .gradebook import POLICIES, Gradebook, lab_points
 from ..grading.grader import grade_notebook, load_solutions
 from .handins import Submission, find_submissions, only_labs
 from ..notebook.layout import course_dir, find_root
-from .lms import read_roster, write_canvas_csv, write_nbgrader
+from .lms import (canvas_columns, labs_named, read_roster, write_canvas_csv, write_canvas_feedback,
+                  write_nbgrader)
 from .report import print_details, print_summary, write_csv, write_feedback, write_json, write_report
 from ..grading.sandbox import Limits, Sandbox, probe, run_as_user
 from ..grading.scoring import NotebookGrade, brief
@@ -90,6 +91,8 @@ def _cmd_grade(args) -> int:
         return usage(str(err))
     if run_as and not args.no_sandbox:
         return usage("--run-as goes with --no-sandbox (in the sandbox the kernel is nobody already)")
+    if args.assignment and not args.canvas:
+        return usage("--assignment goes with --canvas (it names the lab's column in Canvas's import)")
     with tempfile.TemporaryDirectory(prefix="mgpu-lab-downloads-") as unpacked:
         try:
             submissions = find_submissions(args.paths, unpacked)
@@ -101,6 +104,15 @@ def _cmd_grade(args) -> int:
         if not submissions:
             return usage("no notebooks found in " + " ".join(args.paths)
                          + (f" for lab {' '.join(args.lab)}" if args.lab else ""))
+        if args.canvas:                 # before grading: a column that cannot be chosen
+            try:
+                unknown = [a for a in args.assignment if not labs_named(a.partition("=")[0], labs)]
+                if unknown:
+                    raise ValueError(f"--assignment {unknown[0]}: no such lab in this run "
+                                     f"(its labs: {', '.join(labs)})")
+                canvas_columns(labs, roster, args.assignment)
+            except ValueError as err:
+                return usage(str(err))
         return _grade(args, solutions, submissions, labs, roster, run_as, unpacked)
 
 
@@ -138,9 +150,18 @@ def _grade(args, solutions, submissions, labs, roster, run_as, unpacked) -> int:
         if path:
             write(path)
     if args.canvas:
-        for student in write_canvas_csv(book, args.canvas, roster):
+        strangers, warnings = write_canvas_csv(book, args.canvas, roster, args.assignment)
+        for student in strangers:
             print(f"mgpu-lab grade: {student} is not in the roster: added at the end of "
                   f"{args.canvas} with the id Canvas gave (or none)", file=sys.stderr)
+        for warning in warnings:
+            print(f"mgpu-lab grade: warning: {warning}", file=sys.stderr)
+    if args.canvas_feedback:
+        zips, skipped = write_canvas_feedback(book, args.canvas_feedback)
+        for why in skipped:
+            print(f"mgpu-lab grade: no Canvas feedback for {why}", file=sys.stderr)
+        for path in zips:
+            print(f"{path}: upload it to the lab's assignment in Canvas (Re-Upload Submissions)")
     if args.nbgrader:
         count, skipped = write_nbgrader(book, args.nbgrader, args.nbgrader_assignment)
         for why in skipped:
@@ -172,10 +193,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--details", action="store_true",
                    help="print every notebook's details above the summary")
     p.add_argument("--feedback", metavar="DIR", help="DIR/<student>/<lab>.md for each student")
+    p.add_argument("--canvas-feedback", metavar="DIR", help="DIR/<lab>.zip of plain-text "
+                   "feedback named for Canvas's Re-Upload Submissions (a Canvas download's "
+                   "notebooks)")
     p.add_argument("--roster", metavar="CSV", help="who the students are (Canvas's gradebook "
                    "export, or any CSV with a folder/ID/SIS Login ID column)")
     p.add_argument("--canvas", metavar="FILE", help="Canvas's gradebook import CSV (with "
                    "--roster: its identity columns and assignment columns)")
+    p.add_argument("--assignment", action="append", default=[], metavar="LAB=ID|TITLE",
+                   help="the Canvas assignment of a lab's column (06=5006, or "
+                        "\"06=Lab 6: Gradient accumulation\"); repeat it per lab (default: "
+                        "the roster's one column whose title names the lab: Lab 6, Lab-06, 6. ...)")
     p.add_argument("--nbgrader", metavar="DB", help="write the scores into this nbgrader "
                    "gradebook (gradebook.db), where `nbgrader export` reads them")
     p.add_argument("--nbgrader-assignment", metavar="NAME",

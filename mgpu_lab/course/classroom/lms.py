@@ -1,18 +1,32 @@
 """Gradebooks of learning-management systems: Canvas in and out, a roster, nbgrader.
 
 - **A Canvas submissions download as it comes**: the zip (or its unzipped folder) of
-  files named ``name_uid_subid_file`` (``name_LATE_uid_subid_file`` when late;
-  ``lab-1.ipynb`` when re-uploaded). :func:`canvas_file` reads such a name: the student
-  is ``name`` (``name_uid`` where two students share a name), and ``uid`` is the Canvas
-  user id that a roster matches. :func:`unpack_zip` extracts a download's notebooks.
+  files named ``name_uid_attid_file`` (``name_LATE_uid_attid_file`` when late;
+  ``lab-1.ipynb`` when re-uploaded): :func:`canvas_file` reads such a name: the student
+  is ``name`` (``name_uid`` where two students share a name), ``uid`` is the Canvas user
+  id that a roster matches, ``attid`` the id of the submission's file (Canvas's
+  ``ContentZipper``). :func:`unpack_zip` extracts a download's notebooks. A download holds
+  each student's latest submission only, and its files' times are when Canvas made the
+  zip, not when they were handed in.
 - **A roster** (``--roster roster.csv``, :func:`read_roster`): Canvas's gradebook export
   as it comes, or any CSV with a header; a row belongs to the student whose folder name
-  or Canvas id is one of its values in the columns of :data:`KEYS`.
+  or Canvas id is one of its values in the columns of :data:`KEYS`. Its "Points
+  Possible" row is kept (:attr:`Roster.points`).
 - **Canvas's import CSV** (:func:`write_canvas_csv`): Canvas's identity columns
-  (:data:`CANVAS_IDENTITY`, from the roster), one column per lab (a roster's own column
-  for that lab when it has one, so that the import updates it; else the lab id, which
-  Canvas imports as a new assignment), a "Points Possible" row, scores in points; blank
-  where nothing was handed in (Canvas leaves those grades as they are).
+  (:data:`CANVAS_IDENTITY`, from the roster), one column per lab: the roster's column
+  whose title names the lab (:func:`names_lab`: "Lab 6: ...", "Lab-06", "6. ...", or the
+  lab id), or the one ``--assignment 06=ID|TITLE`` names (:func:`canvas_columns`); two
+  candidates are an error, and a lab with none is left out (Canvas would make a new
+  assignment of it) and said so. A "Points Possible" row, scores in points. Canvas's
+  importer (``GradebookImporter``) takes a column ``Title (id)`` by its id, else an
+  assignment of exactly that title, else makes a new one; it never changes an existing
+  assignment's points (a warning says when the roster's differ from the lab's maximum),
+  and a blank cell where Canvas has a score clears that score: a student who handed
+  nothing in keeps the roster's value (blank only where the roster has none).
+- **Feedback for Canvas** (:func:`write_canvas_feedback`): a zip per lab for the
+  assignment's "Re-Upload Submissions", of plain-text files named
+  ``name_uid_attid_feedback.txt``: Canvas takes the first two all-digit ``_`` parts of a
+  name as the user and the submission's file it comments on.
 - **nbgrader** (:func:`write_nbgrader`): scores as the ``auto_score`` of each graded cell of
   an nbgrader gradebook database, where ``nbgrader export`` reads them.
 """
@@ -22,11 +36,11 @@ import csv
 import os
 import re
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
-from .report import spreadsheet_safe
+from .report import feedback_text, spreadsheet_safe
 
 CANVAS_NAME = re.compile(r"^(?P<name>[^_/\\]+?)(?P<late>_late)?_(?P<uid>\d+)_(?P<subid>\d+)_"
                          r"(?P<file>.+)$", re.I)
@@ -40,7 +54,7 @@ ZIP_LIMIT = 2 * 2**30              # bytes of notebooks extracted from one downl
 class CanvasFile:
     name: str
     uid: str
-    subid: str
+    subid: str                     # the id of the submission's file (an attachment's)
     late: bool
     file: str
 
@@ -55,8 +69,8 @@ def canvas_file(filename: str) -> Optional[CanvasFile]:
 
 def unpack_zip(path, dest) -> Path:
     """The notebooks of a zip (a Canvas download) extracted flat into ``dest`` (names as
-    they are, never a path: no entry can land outside it), with their times kept;
-    ``dest``."""
+    they are, never a path: no entry can land outside it), with the times the zip gives
+    (a Canvas download's: when Canvas made the zip); ``dest``."""
     import time
     dest, total = Path(dest), 0
     dest.mkdir(parents=True, exist_ok=True)
@@ -82,6 +96,7 @@ def unpack_zip(path, dest) -> Path:
 class Roster:
     columns: List[str]             # the header as it is
     rows: List[Dict[str, str]]     # students, in the roster's order
+    points: Dict[str, str] = field(default_factory=dict)   # Canvas's "Points Possible" row
 
     def find(self, student: str, uid: Optional[str] = None) -> Optional[Dict[str, str]]:
         """The row of a student (a folder name, or the ``doejane`` of a Canvas download's
@@ -117,54 +132,204 @@ def read_roster(path) -> Roster:
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         columns = list(reader.fieldnames or [])
-        rows = [r for r in reader
-                if (r.get(columns[0]) or "").strip() not in ("Points Possible", "")]
+        every = list(reader) if columns else []
     if not columns:
         raise ValueError(f"{path}: an empty roster (a CSV with a header is needed)")
-    return Roster(columns, rows)
+    first = lambda r: (r.get(columns[0]) or "").strip()  # noqa: E731
+    points = next((r for r in every if first(r) == "Points Possible"), {})
+    rows = [r for r in every if first(r) not in ("Points Possible", "")]
+    return Roster(columns, rows, {c: (v or "").strip() for c, v in points.items()
+                                  if c and c != columns[0] and (v or "").strip()})
 
 
 # --- Canvas's import CSV -----------------------------------------------------------------
 
-def lab_column(lab: str, roster: Optional[Roster]) -> str:
-    """The roster's column for ``lab`` ("00_setup (1234)", "Lab 00 (1234)": Canvas's
-    assignment names with their ids), else the lab id (a new assignment)."""
-    number = lab.split("_")[0]
-    for column in (roster.columns if roster else []):
-        name = re.sub(r"\s*\(\d+\)\s*$", "", column).strip().lower()
-        if name == lab.lower() or re.fullmatch(rf"(lab\s*)?{re.escape(number)}\b.*", name):
-            return column
-    return lab
+NOT_ASSIGNMENTS = re.compile(r"Current Score|Current Points|Current Grade|Final Score|"
+                             r"Final Points|Final Grade|Override Score|Override Grade|"
+                             r"Override Status")   # Canvas's own: its importer skips them
+_WITH_ID = re.compile(r"^(?P<title>.*?)\s*\((?P<id>\d+)\)\s*$")
 
 
-def write_canvas_csv(book, path, roster: Optional[Roster] = None) -> List[str]:
-    """Canvas's gradebook import for ``book`` (:class:`~.gradebook.Gradebook`); the
-    students handed in who are not in the roster (each warned about)."""
-    columns = [lab_column(lab, roster) for lab in book.labs]
+def _title(column: str) -> str:
+    m = _WITH_ID.match(column)
+    return (m["title"] if m else column).strip()
+
+
+def _assignment_id(column: str) -> Optional[str]:
+    m = _WITH_ID.match(column)
+    return m["id"] if m else None
+
+
+def assignment_columns(roster: Roster) -> List[str]:
+    """The roster's columns that can be assignments: not a student's identity (Canvas's,
+    :data:`KEYS` and their :data:`ALIASES`), not one of Canvas's totals."""
+    identity = {k.lower() for k in CANVAS_IDENTITY + KEYS + ["Integration ID", "Root Account"]}
+    identity |= {a for names in ALIASES.values() for a in names}
+    return [c for c in roster.columns if c and c.strip().lower() not in identity
+            and not NOT_ASSIGNMENTS.search(c) and c != roster.columns[0]]
+
+
+def names_lab(column: str, lab: str) -> bool:
+    """Does a Canvas column (``Title (id)``) name ``lab`` (``06_gradient_accumulation``)?
+    Its title is the lab id, or names the lab's number: ``Lab 6``, ``Lab 06``, ``Lab-06``,
+    ``LAB06``, ``Lab #6`` (anywhere in the title), or starts with it: ``6. ...``,
+    ``06 ...``, ``06_...``; never another number (``Lab 16``, ``Lab 6.5``)."""
+    title = _title(column).lower()
+    if title == lab.lower():
+        return True
+    m = re.match(r"(\d+)(?:_|$)", lab)
+    if not m:
+        return False
+    number = rf"0*{int(m.group(1))}(?!\d)(?![.,]\d)"
+    return bool(re.search(rf"(?<![a-z0-9])lab\s*(?:no\.?\s*|#\s*)?[-_:.]?\s*{number}", title)
+                or re.match(rf"{number}(?=$|[\s.:)_\-])", title))
+
+
+def parse_assignments(specs: Iterable[str]) -> List[Tuple[str, str]]:
+    """``--assignment LAB=ID|TITLE`` values as ``[(lab, target)]``; ValueError says what is
+    wrong with one."""
+    out = []
+    for spec in specs or ():
+        lab, sep, target = spec.partition("=")
+        if not sep or not lab.strip() or not target.strip():
+            raise ValueError(f"--assignment {spec!r}: give LAB=ID or LAB=TITLE "
+                             "(06=5006, or \"06=Lab 6: Gradient accumulation\")")
+        out.append((lab.strip(), target.strip()))
+    return out
+
+
+def labs_named(spec: str, labs: Iterable[str]) -> List[str]:
+    """The labs of ``labs`` that ``spec`` names: a number (``06``), an id or a file name."""
+    stem = spec[:-6] if spec.endswith(".ipynb") else spec
+    def number(name):
+        return int(name) if name.isdigit() else name
+    return [lab for lab in labs if lab == stem or number(lab.split("_")[0]) == number(stem)]
+
+
+def canvas_columns(labs: Iterable[str], roster: Optional[Roster],
+                   assignments: Iterable[str] = ()) -> Tuple[Dict[str, Optional[str]], List[str]]:
+    """``({lab: its column in Canvas's import, or None}, warnings)`` for ``labs``.
+
+    ``assignments`` (``--assignment 06=5006``, ``06=Lab 6: ...``) map labs explicitly:
+    to the roster's column with that id or title (without a roster: ``LAB (ID)``, or the
+    title, which Canvas's importer matches itself). Every other lab takes the roster's one
+    column that :func:`names_lab`; with none it is None (left out: the import would make
+    a new assignment); without a roster, its id (a new assignment, warned). ValueError
+    names the candidates when a lab has two, a target the roster lacks, a column taken
+    twice."""
+    labs = list(labs)
+    columns = assignment_columns(roster) if roster else []
+    listed = ", ".join(f'"{c}"' for c in columns) or "none"
+    chosen: Dict[str, Optional[str]] = {}
+    for spec, target in parse_assignments(assignments):
+        found = labs_named(spec, labs)
+        if len(found) > 1:
+            raise ValueError(f"--assignment {spec}={target}: {spec} names labs "
+                             f"{', '.join(found)}: give the lab id")
+        if not found:
+            continue                  # not a lab of this run
+        lab = found[0]
+        if roster is None:
+            chosen[lab] = f"{lab} ({target})" if target.isdigit() else target
+            continue
+        hits = [c for c in columns if (_assignment_id(c) == target if target.isdigit()
+                                       else c == target or _title(c).lower() == target.lower())]
+        if len(hits) != 1:
+            what = "no" if not hits else f"{len(hits)}"
+            raise ValueError(f"--assignment {spec}={target}: {what} column of the roster is "
+                             f"{'assignment ' if target.isdigit() else ''}{target!r} "
+                             f"(its assignments: {listed})")
+        chosen[lab] = hits[0]
+    warnings = []
+    for lab in labs:
+        if lab in chosen:
+            continue
+        if roster is None:
+            chosen[lab] = lab
+            warnings.append(f"lab {lab}: no --roster, so its column is {lab!r}, which Canvas "
+                            f"imports as a new assignment; map it to yours with --assignment "
+                            f"{lab.split('_')[0]}=ID")
+            continue
+        taken = {c for c in chosen.values() if c}
+        found = [c for c in columns if names_lab(c, lab) and c not in taken]
+        if len(found) > 1:
+            example = _assignment_id(found[0]) or found[0]
+            raise ValueError(f"lab {lab} matches {len(found)} columns of the roster: "
+                             f"{', '.join(repr(c) for c in found)}; choose one with "
+                             f"--assignment {lab.split('_')[0]}={example}")
+        chosen[lab] = found[0] if found else None
+    free = ", ".join(f'"{c}"' for c in columns if c not in chosen.values()) or "none"
+    for lab in labs:
+        if roster is not None and chosen[lab] is None:
+            warnings.append(f"lab {lab}: no column of the roster names it (its other "
+                            f"assignments: {free}): left out of the import (Canvas would make a "
+                            f"new assignment of it); map it with --assignment "
+                            f"{lab.split('_')[0]}=ID or =TITLE")
+    used: Dict[str, str] = {}
+    for lab, column in chosen.items():
+        if column and column in used:
+            raise ValueError(f"labs {used[column]} and {lab} both map to the column {column!r}: "
+                             "map each with --assignment")
+        used.setdefault(column, lab)
+    return chosen, warnings
+
+
+def lab_column(lab: str, roster: Optional[Roster]) -> Optional[str]:
+    """The roster's column for ``lab`` (:func:`canvas_columns` of that lab alone)."""
+    return canvas_columns([lab], roster)[0][lab]
+
+
+def _points(text: str) -> Optional[float]:
+    try:
+        return float(text.replace(",", "."))
+    except (AttributeError, ValueError):
+        return None
+
+
+def write_canvas_csv(book, path, roster: Optional[Roster] = None,
+                     assignments: Iterable[str] = ()) -> Tuple[List[str], List[str]]:
+    """Canvas's gradebook import for ``book`` (:class:`~.gradebook.Gradebook`), the labs'
+    columns by :func:`canvas_columns`; ``(students handed in who are not in the roster,
+    warnings)``: labs left out or given a new assignment, and a roster's Points Possible
+    other than the lab's maximum (Canvas keeps its own: the scores are in the lab's
+    points)."""
+    chosen, warnings = canvas_columns(book.labs, roster, assignments)
+    labs = [lab for lab in book.labs if chosen[lab]]
+    columns = [chosen[lab] for lab in labs]
+    for lab, column in zip(labs, columns):
+        theirs = _points(roster.points.get(column, "")) if roster else None
+        if theirs is not None and abs(theirs - book.maxima[lab]) > 1e-9:
+            warnings.append(f"{column!r} is out of {theirs:g} points in Canvas, lab {lab} out of "
+                            f"{book.maxima[lab]:g}: the import writes the lab's points (full "
+                            f"marks show as {book.maxima[lab]:g}/{theirs:g}) and never changes "
+                            f"an assignment's points: set them to {book.maxima[lab]:g} in Canvas")
     identity = CANVAS_IDENTITY
     rows, seen, strangers = [], set(), []
     for row in (roster.rows if roster else []):
         student = next((s for s in book.students if roster.find(s, _uid(book, s)) is row), None)
         seen.add(student)
-        rows.append(([value(row, c) or "" for c in identity], student))
+        rows.append(([value(row, c) or "" for c in identity], student, row))
     for student in book.students:
         if student not in seen:
             strangers.append(student)
             uid = _uid(book, student) or ""
-            rows.append(([student, uid, "", "", ""], student))
+            rows.append(([student, uid, "", "", ""], student, {}))
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow([spreadsheet_safe(c) for c in identity + columns])
         writer.writerow([POINTS_POSSIBLE] + [""] * (len(identity) - 1)
-                        + [f"{book.maxima[lab]:g}" for lab in book.labs])
-        for who, student in rows:
-            scores = [_score(book.counted(student, lab)) if student else "" for lab in book.labs]
+                        + [f"{book.maxima[lab]:g}" for lab in labs])
+        for who, student, row in rows:
+            scores = [_score(book.counted(student, lab) if student else None, row.get(column))
+                      for lab, column in zip(labs, columns)]
             writer.writerow([spreadsheet_safe(v) for v in who + scores])
-    return strangers
+    return strangers, warnings
 
 
-def _score(grade) -> str:
-    return "" if grade is None else f"{grade.score:g}"
+def _score(grade, current: Optional[str] = None) -> str:
+    """The cell: the counted notebook's score; else what Canvas has (the roster's value),
+    since a blank cell clears a score in Canvas."""
+    return (current or "").strip() if grade is None else f"{grade.score:g}"
 
 
 def _uid(book, student: str) -> Optional[str]:
@@ -174,6 +339,36 @@ def _uid(book, student: str) -> Optional[str]:
             if found:
                 return found.uid
     return None
+
+
+def write_canvas_feedback(book, folder) -> Tuple[List[Path], List[str]]:
+    """``folder/<lab>.zip`` for each lab: a plain-text feedback file per counted notebook
+    of a Canvas download, named ``name_uid_attid_feedback.txt`` (the ids of the file it
+    came as), which Canvas's "Re-Upload Submissions" of that lab's assignment attaches as
+    a comment to that student's submission. ``(zips written, notebooks left out and
+    why)``: those with no Canvas ids in their names."""
+    folder, written, skipped = Path(folder), [], []
+    folder.mkdir(parents=True, exist_ok=True)
+    for lab in book.labs:
+        files = {}
+        for student in book.students:
+            g = book.counted(student, lab)
+            if g is None:
+                continue
+            found = canvas_file(g.path)
+            if found is None:
+                skipped.append(f"{g.path} ({student}, {lab}): not named as a Canvas download "
+                               "names it (name_uid_attid_file): Canvas could not tell whose it is")
+                continue
+            name = found.name if not found.name.isdigit() else "student"
+            files[f"{name}_{found.uid}_{found.subid}_feedback.txt"] = feedback_text(student, lab, g)
+        if files:
+            path = folder / f"{lab}.zip"
+            with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+                for name, text in sorted(files.items()):
+                    z.writestr(name, text)
+            written.append(path)
+    return written, skipped
 
 
 # --- nbgrader ------------------------------------------------------------------------------

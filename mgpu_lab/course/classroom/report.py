@@ -7,12 +7,12 @@ to the instructor's report (``--report``, ``--details``) and the JSON, never to 
 student's feedback.
 
 Messages are bounded (:func:`mgpu_lab.course.grading.scoring.brief`: a few hundred
-characters) and never carry text the learner's code chose
-(:mod:`~mgpu_lab.course.grading.scoring`). What the learner still names (a folder, a file)
-is written so that nothing reads it as code: a CSV cell a spreadsheet would take for a
-formula gets a leading ``'`` (OWASP's rule: ``= + - @``, tab, carriage return), and
-feedback escapes markdown and HTML. One student's report that cannot be written costs
-that file only.
+characters) and never carry text the learner's code chose (:mod:`~mgpu_lab.course.grading.scoring`). What the
+learner still names (a folder, a file) is written so that nothing reads it as code: a
+CSV cell a spreadsheet would take for a formula gets a leading ``'`` (OWASP's rule:
+``= + - @``, tab, carriage return), and markdown feedback escapes markdown and HTML;
+plain-text feedback (:func:`feedback_text`, what Canvas attaches) has nothing to escape:
+control characters go. One student's report that cannot be written costs that file only.
 """
 from __future__ import annotations
 
@@ -185,6 +185,26 @@ def write_feedback(grades, folder) -> List[Path]:
             print(f"mgpu-lab grade: no feedback for {student!r} {lab!r}: {err}",
                   file=sys.stderr)
     return written
+
+
+def feedback_text(student: str, lab: str, g) -> str:
+    """A student's feedback for one notebook as plain text (no markup, nothing escaped but
+    control characters): what :func:`write_feedback` says, for a platform that shows files
+    as they are (Canvas's comments, :func:`.lms.write_canvas_feedback`)."""
+    def txt(text) -> str:
+        return printable(" ".join(str(text)[:FEEDBACK_LIMIT].split()))
+    lines = [f"{txt(lab)}: {g.score:g} / {g.max_score:g}", "",
+             f"Student: {txt(student)}", f"Notebook: {txt(Path(g.path).name)}", ""]
+    if g.error:
+        lines += [f"Not graded: {txt(g.error)}", ""]
+    if g.exercises:
+        names = [txt(e.title or e.grade_id) for e in g.exercises]
+        width = max(len(n) for n in names)
+        for name, e in zip(names, g.exercises):
+            lines.append(f"{name:<{width}}  {e.score:g} / {e.max_score:g}  {txt(e.outcome())}")
+        lines.append("")
+    lines += [f"- {txt(n)}" for n in g.notes]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def _feedback(folder, student: str, lab: str, g) -> Path:

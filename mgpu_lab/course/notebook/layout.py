@@ -10,8 +10,9 @@ learner the labs without a clone.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 
 def find_root(start=None) -> Path:
@@ -68,10 +69,47 @@ def select_labs(names: List[str], wanted: Iterable[str] = ()) -> List[str]:
     return sorted(picked)
 
 
-def copy_labs(dest: Path, source=None, only: Iterable[str] = ()) -> Tuple[List[str], List[str]]:
-    """Copy the lab notebooks (``only`` those asked for: :func:`select_labs`) into ``dest``;
-    ``(names copied, names kept)``: a notebook already in ``dest`` is the learner's work,
-    never overwritten, so a folder that has some labs gets the others."""
+def _version(path: Path) -> Optional[str]:
+    """The lab version a notebook records (``metadata.mgpu_lab.version``), or None."""
+    import json
+    try:
+        meta = json.loads(Path(path).read_text(encoding="utf-8")).get("metadata", {})
+        value = (meta.get("mgpu_lab") or {}).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def backup_name(path: Path) -> Path:
+    """Where a learner's ``NAME.ipynb`` is kept when a release replaces it: ``NAME.ipynb.bak``
+    (``.bak2``, ... when taken): never a notebook the grader or ``labs copy`` would pick up."""
+    for n in range(1, 1000):
+        candidate = path.with_name(path.name + (".bak" if n == 1 else f".bak{n}"))
+        if not candidate.exists():
+            return candidate
+    raise FileExistsError(f"{path}: 999 backups already")
+
+
+@dataclass
+class Copied:
+    """What :func:`copy_labs` did, by notebook name."""
+    copied: List[str] = field(default_factory=list)      # new in the folder
+    kept: List[str] = field(default_factory=list)        # the learner's, this lab version
+    older: Dict[str, Tuple[Optional[str], str]] = field(default_factory=dict)  # kept, older
+    replaced: Dict[str, Path] = field(default_factory=dict)   # --update: name -> the backup
+    same: List[str] = field(default_factory=list)        # already the release, unchanged
+
+    def __iter__(self):          # ``copied, kept = copy_labs(...)``, as before
+        return iter((self.copied, self.kept + list(self.older) + self.same))
+
+
+def copy_labs(dest: Path, source=None, only: Iterable[str] = (), update: bool = False) -> Copied:
+    """Copy the lab notebooks (``only`` those asked for: :func:`select_labs`) into ``dest``.
+    A notebook already in ``dest`` is the learner's: kept when it records the release's lab
+    version (their work on this lab), or is the release itself; one that records another
+    version (a lab changed since) is kept too, unless ``update``: then the release
+    replaces it and the learner's file is kept beside it as :func:`backup_name`, never
+    lost. What happened to each: :class:`Copied`."""
     if source is None:
         try:
             source = find_root() / "labs"
@@ -80,12 +118,27 @@ def copy_labs(dest: Path, source=None, only: Iterable[str] = ()) -> Tuple[List[s
         if source is None:
             raise FileNotFoundError("no labs here: run inside the course checkout or "
                                     "pip install \"mgpu-lab[course]\"")
-    dest = Path(dest)
+    dest, done = Path(dest), Copied()
     names = sorted(p.name for p in source.iterdir() if p.name.endswith(".ipynb"))
     chosen = select_labs(names, only)
-    kept = [n for n in chosen if (dest / n).exists()]
     dest.mkdir(parents=True, exist_ok=True)
     for name in chosen:
-        if name not in kept:
-            (dest / name).write_bytes((source / name).read_bytes())
-    return [n for n in chosen if n not in kept], kept
+        new, mine = (source / name).read_bytes(), dest / name
+        if not mine.exists():
+            mine.write_bytes(new)
+            done.copied.append(name)
+            continue
+        if mine.read_bytes() == new:
+            done.same.append(name)
+            continue
+        theirs, release = _version(mine), _version(source / name)
+        if theirs == release or release is None:
+            done.kept.append(name)
+        elif not update:
+            done.older[name] = (theirs, release)
+        else:
+            backup = backup_name(mine)
+            os.replace(mine, backup)
+            mine.write_bytes(new)
+            done.replaced[name] = backup
+    return done
