@@ -16,7 +16,7 @@ from typing import List
 
 from .gradebook import POLICIES, Gradebook, lab_points
 from .grader import grade_notebook, load_solutions
-from .handins import Submission, find_submissions, only_labs
+from .handins import Submission, find_submissions, identify, only_labs
 from .layout import course_dir, find_root
 from .lms import read_roster, write_canvas_csv, write_nbgrader
 from .report import print_details, print_summary, write_csv, write_feedback, write_json, write_report
@@ -36,7 +36,9 @@ def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
                      max(timeout, JUDGE_TIMEOUT))
 
     def one(item):
-        student, path, folder = (tuple(item) + (None,))[:3]
+        student, path, folder, _, problem = (tuple(item) + (None,) * 3)[:5]
+        if problem:                       # stored so that it cannot be graded: said so
+            return NotebookGrade(str(path), Path(path).name, student, error=problem)
         try:
             return grade_notebook(path, labs, student, box, limits, timeout, total_timeout,
                                   pool, folder)
@@ -92,7 +94,7 @@ def _cmd_grade(args) -> int:
         return usage("--run-as goes with --no-sandbox (in the sandbox the kernel is nobody already)")
     with tempfile.TemporaryDirectory(prefix="mgpu-lab-downloads-") as unpacked:
         try:
-            submissions = find_submissions(args.paths, unpacked)
+            submissions, rows, notices = identify(find_submissions(args.paths, unpacked), roster)
             labs = load_solutions(solutions)
             if args.lab:
                 submissions, labs = only_labs(submissions, labs, args.lab)
@@ -101,10 +103,11 @@ def _cmd_grade(args) -> int:
         if not submissions:
             return usage("no notebooks found in " + " ".join(args.paths)
                          + (f" for lab {' '.join(args.lab)}" if args.lab else ""))
-        return _grade(args, solutions, submissions, labs, roster, run_as, unpacked)
+        return _grade(args, solutions, submissions, labs, (roster, rows, notices), run_as,
+                      unpacked)
 
 
-def _grade(args, solutions, submissions, labs, roster, run_as, unpacked) -> int:
+def _grade(args, solutions, submissions, labs, who, run_as, unpacked) -> int:
     hidden = [solutions.resolve(), Path.home()]
     try:
         hidden.append(find_root(solutions))
@@ -128,6 +131,12 @@ def _grade(args, solutions, submissions, labs, roster, run_as, unpacked) -> int:
             g.path = str(Path(g.path).name)
     book = Gradebook(grades, lab_points(labs), args.policy,
                      labs if args.lab else None)
+    roster, rows, notices = who
+    book.roster_rows = {s: row for s, row in rows.items() if s in book.entries}
+    graded = [row for s, row in book.roster_rows.items() if book.entries[s]]
+    book.notices = notices + [f"missing: {roster.label(i)}: in the roster, nothing graded"
+                              for i, row in enumerate(roster.rows if roster else [])
+                              if not any(r is row for r in graded)]
     if args.details:
         print_details(book)
     print_summary(book, line)
