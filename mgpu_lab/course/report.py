@@ -22,7 +22,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from .gradebook import as_gradebook
 
@@ -45,13 +45,14 @@ def markdown_safe(text) -> str:
     return re.sub(r"(?i)www\.", "www\\.", text)
 
 FEEDBACK_LIMIT = 300
+SHOWN = 400          # characters of a line that shows a path
 
 
-def printable(text, limit: int = 400) -> str:
+def printable(text, limit: Optional[int] = None) -> str:
     """``text`` without control characters (a terminal's escape sequences) nor undecodable
-    bytes of a name, cut to ``limit`` characters."""
+    bytes of a name; cut to ``limit`` characters if given."""
     text = str(text)
-    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    text = text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
     return "".join(c if c.isprintable() else "?" for c in text)
 
 
@@ -79,9 +80,10 @@ def print_summary(grades, sandbox_line: str, file=None) -> None:
                         + [f"{book.total(s):g}/{book.max_total:g}"]), file=file)
     for s, notebooks in sorted(book.unmatched.items()):
         for g in notebooks:
-            print(printable(f"not graded: {s}: {g.path}: {g.error or 'no lab'}"), file=file)
+            print(printable(f"not graded: {s}: {g.path}: {g.error or 'no lab'}", SHOWN),
+                  file=file)
     for notice in book.notices:
-        print(printable(notice), file=file)
+        print(printable(notice, SHOWN), file=file)
     if book.students:
         counted = sum(len(book.entries[s]) for s in book.students)
         flags = "; ".join(f for f, seen in (
@@ -107,7 +109,7 @@ def print_details(grades, file=None) -> None:
     file, book = file or sys.stdout, as_gradebook(grades)
     for g in sorted(book.grades, key=lambda g: (g.student, g.lab or "", g.path)):
         head = printable(f"{g.student}  {g.lab or '?'}  {g.score:g}/{g.max_score:g}  "
-                         f"{g.path}  ({g.seconds:.1f} s)")
+                         f"{g.path}  ({g.seconds:.1f} s)", SHOWN)
         head += f"  [{g.error}]" if g.error else ""
         head += f"  [TAMPERING: {len(g.tampering)} finding(s)]" if g.tampering else ""
         print(head, file=file)
