@@ -164,6 +164,7 @@ def test_a_zipped_notebook_and_a_file_that_is_not_one(graded):
     rows = canvas_rows(tmp)
     assert rows[("Cole, Carol", "302")] == "4"          # unpacked, her Canvas id kept
     assert rows[("Do, David", "303")] == "" and rows[("Empty, Zed", "304")] == ""
+    assert not [who for who in rows if who[0] in ("dodavid", "emptyzed", "colecarol")]
     lines = out.splitlines()
     assert any(line.startswith("not graded: dodavid: ") and "toy.pdf: NotANotebook" in line
                for line in lines)
