@@ -565,8 +565,8 @@ def test_find_submissions_layouts(tmp_path):
                  "flat/cy.ipynb", "flat/dee/01 (1).ipynb"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text("{}")
-    found = find_submissions([tmp_path / "course", tmp_path / "flat"])
-    assert [(s, p.name) for s, p, _ in found] == [("ann", "lab.ipynb"), ("ben", "y.ipynb"),
+    found = find_submissions([tmp_path / "course/submitted", tmp_path / "flat"])
+    assert [(s, p.name) for s, p, *_ in found] == [("ann", "lab.ipynb"), ("ben", "y.ipynb"),
                                                ("cy", "cy.ipynb"), ("dee", "01 (1).ipynb")]
     with pytest.raises(FileNotFoundError):
         find_submissions([tmp_path / "nope"])

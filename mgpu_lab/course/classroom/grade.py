@@ -16,7 +16,7 @@ from typing import List
 
 from .gradebook import POLICIES, Gradebook, lab_points
 from ..grading.grader import grade_notebook, load_solutions
-from .handins import Submission, find_submissions, only_labs
+from .handins import Submission, find_submissions, identify, only_labs
 from ..notebook.layout import course_dir, find_root
 from .lms import (canvas_columns, labs_named, read_roster, write_canvas_csv, write_canvas_feedback,
                   write_nbgrader)
@@ -37,7 +37,9 @@ def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
                      max(timeout, JUDGE_TIMEOUT))
 
     def one(item):
-        student, path, folder = (tuple(item) + (None,))[:3]
+        student, path, folder, _, problem = (tuple(item) + (None,) * 3)[:5]
+        if problem:                       # stored so that it cannot be graded: said so
+            return NotebookGrade(str(path), Path(path).name, student, error=problem)
         try:
             return grade_notebook(path, labs, student, box, limits, timeout, total_timeout,
                                   pool, folder)
@@ -95,7 +97,7 @@ def _cmd_grade(args) -> int:
         return usage("--assignment goes with --canvas (it names the lab's column in Canvas's import)")
     with tempfile.TemporaryDirectory(prefix="mgpu-lab-downloads-") as unpacked:
         try:
-            submissions = find_submissions(args.paths, unpacked)
+            submissions, rows, notices = identify(find_submissions(args.paths, unpacked), roster)
             labs = load_solutions(solutions)
             if args.lab:
                 submissions, labs = only_labs(submissions, labs, args.lab)
@@ -113,10 +115,11 @@ def _cmd_grade(args) -> int:
                 canvas_columns(labs, roster, args.assignment)
             except ValueError as err:
                 return usage(str(err))
-        return _grade(args, solutions, submissions, labs, roster, run_as, unpacked)
+        return _grade(args, solutions, submissions, labs, (roster, rows, notices), run_as,
+                      unpacked)
 
 
-def _grade(args, solutions, submissions, labs, roster, run_as, unpacked) -> int:
+def _grade(args, solutions, submissions, labs, who, run_as, unpacked) -> int:
     hidden = [solutions.resolve(), Path.home()]
     try:
         hidden.append(find_root(solutions))
@@ -140,6 +143,12 @@ def _grade(args, solutions, submissions, labs, roster, run_as, unpacked) -> int:
             g.path = str(Path(g.path).name)
     book = Gradebook(grades, lab_points(labs), args.policy,
                      labs if args.lab else None)
+    roster, rows, notices = who
+    book.roster_rows = {s: row for s, row in rows.items() if s in book.entries}
+    graded = [row for s, row in book.roster_rows.items() if book.entries[s]]
+    book.notices = notices + [f"missing: {roster.label(i)}: in the roster, nothing graded"
+                              for i, row in enumerate(roster.rows if roster else [])
+                              if not any(r is row for r in graded)]
     if args.details:
         print_details(book)
     print_summary(book, line)

@@ -54,6 +54,8 @@ class Gradebook:
                                   else max([g.max_score for g in self.grades if g.lab == lab] or [0]))
                        for lab in self.labs}
         self.entries: Dict[str, Dict[str, Entry]] = {}
+        self.roster_rows: Dict[str, Dict[str, str]] = {}     # a student's roster row, if any
+        self.notices: List[str] = []        # who is in no roster row, who is missing
         self.unmatched: Dict[str, List[NotebookGrade]] = {}   # notebooks of no lab
         handed: Dict[str, Dict[str, List[NotebookGrade]]] = {}
         for g in self.grades:

@@ -5,13 +5,15 @@
   ``lab-1.ipynb`` when re-uploaded): :func:`canvas_file` reads such a name: the student
   is ``name`` (``name_uid`` where two students share a name), ``uid`` is the Canvas user
   id that a roster matches, ``attid`` the id of the submission's file (Canvas's
-  ``ContentZipper``). :func:`unpack_zip` extracts a download's notebooks. A download holds
-  each student's latest submission only, and its files' times are when Canvas made the
-  zip, not when they were handed in.
+  ``ContentZipper``). :func:`unpack_zip` extracts a download's files (a zip a student
+  uploaded is unpacked by :mod:`.handins`). A download holds each student's latest
+  submission only, and its files' times are when Canvas made the zip, not when they were
+  handed in.
 - **A roster** (``--roster roster.csv``, :func:`read_roster`): Canvas's gradebook export
-  as it comes, or any CSV with a header; a row belongs to the student whose folder name
-  or Canvas id is one of its values in the columns of :data:`KEYS`. Its "Points
-  Possible" row is kept (:attr:`Roster.points`).
+  as it comes, or any CSV with a header. A submission is a row's (:meth:`Roster.match`)
+  by its Canvas user id, else by a login (:data:`LOGINS`), else by a display name that
+  exactly one row has; never by a name two rows share. Its "Points Possible" row is kept
+  (:attr:`Roster.points`).
 - **Canvas's import CSV** (:func:`write_canvas_csv`): Canvas's identity columns
   (:data:`CANVAS_IDENTITY`, from the roster), one column per lab: the roster's column
   whose title names the lab (:func:`names_lab`: "Lab 6: ...", "Lab-06", "6. ...", or the
@@ -33,6 +35,7 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 import re
 import zipfile
@@ -40,14 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from .report import feedback_text, spreadsheet_safe
+from .report import feedback_text, printable, spreadsheet_safe
 
 CANVAS_NAME = re.compile(r"^(?P<name>[^_/\\]+?)(?P<late>_late)?_(?P<uid>\d+)_(?P<subid>\d+)_"
                          r"(?P<file>.+)$", re.I)
 CANVAS_IDENTITY = ["Student", "ID", "SIS User ID", "SIS Login ID", "Section"]
-KEYS = ["folder", "student", "ID", "SIS User ID", "SIS Login ID", "login", "email", "Student"]
+LOGINS = ["SIS Login ID", "SIS User ID", "ID", "folder"]   # (and their ALIASES)
 POINTS_POSSIBLE = "    Points Possible"
-ZIP_LIMIT = 2 * 2**30              # bytes of notebooks extracted from one download
+ZIP_LIMIT = 2 * 2**30              # bytes extracted from one download
+KEPT = (".ipynb", ".zip")          # the files a download's zip gives with their bytes
 
 
 @dataclass
@@ -67,27 +71,39 @@ def canvas_file(filename: str) -> Optional[CanvasFile]:
     return CanvasFile(m["name"], m["uid"], m["subid"], bool(m["late"]), m["file"])
 
 
-def unpack_zip(path, dest) -> Path:
-    """The notebooks of a zip (a Canvas download) extracted flat into ``dest`` (names as
-    they are, never a path: no entry can land outside it), with the times the zip gives
-    (a Canvas download's: when Canvas made the zip); ``dest``."""
+def unpack_zip(path, dest, prefix: str = "", limit: int = ZIP_LIMIT) -> Path:
+    """The files of a zip (a Canvas download) extracted flat into ``dest`` as ``prefix`` and
+    their names (never a path: no entry can land outside it), with the times the zip gives
+    (a Canvas download's: when Canvas made the zip): notebooks and zips with their bytes
+    (``limit`` in all), other files empty (their names say what was handed in); ``dest``."""
     import time
     dest, total = Path(dest), 0
     dest.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path) as z:
         for info in z.infolist():
             name = Path(info.filename.replace("\\", "/")).name
-            if info.is_dir() or not name.endswith(".ipynb") or name.startswith("."):
+            if info.is_dir() or not name or name.startswith("."):
                 continue
-            total += info.file_size
-            if total > ZIP_LIMIT:
-                raise ValueError(f"{path}: more than {ZIP_LIMIT >> 30} GiB of notebooks")
-            target = dest / name
+            size = info.file_size if name.lower().endswith(KEPT) else 0
+            total += size
+            if total > limit:
+                raise ValueError(f"{path}: more than {limit >> 20} MiB of notebooks and zips")
+            target = dest / file_name(prefix + name)
             with z.open(info) as src, open(target, "wb") as out:
-                out.write(src.read(info.file_size + 1)[: info.file_size])
+                out.write(src.read(size + 1)[:size])
             when = time.mktime(info.date_time + (0, 0, -1))
             os.utime(target, (when, when))
     return dest
+
+
+def file_name(name: str) -> str:
+    """``name`` as a file's name this file system takes: no NUL, 200 bytes at most (its
+    start, a hash and its suffix where it was longer; a Canvas name's parts stay)."""
+    data = os.fsencode(name.replace("\0", "?"))
+    if len(data) <= 200:
+        return os.fsdecode(data)
+    start = data[:120].decode("utf-8", "ignore")
+    return f"{start}~{hashlib.sha256(data).hexdigest()[:12]}{Path(name).suffix[:16]}"
 
 
 # --- the roster -----------------------------------------------------------------------
@@ -98,16 +114,29 @@ class Roster:
     rows: List[Dict[str, str]]     # students, in the roster's order
     points: Dict[str, str] = field(default_factory=dict)   # Canvas's "Points Possible" row
 
-    def find(self, student: str, uid: Optional[str] = None) -> Optional[Dict[str, str]]:
-        """The row of a student (a folder name, or the ``doejane`` of a Canvas download's
-        "Doe, Jane") or of a Canvas id."""
-        wanted = {student.lower()} | ({uid} if uid else set())
-        for row in self.rows:
-            values = {(value(row, k) or "").strip().lower() for k in KEYS} - {""}
-            values.add(re.sub(r"[^a-z0-9]", "", (value(row, "Student") or "").lower()))
-            if values & wanted:
-                return row
-        return None
+    def match(self, name: str, uid: Optional[str] = None) -> Tuple[Optional[int], str]:
+        """``(the index of the row a submission is, "")``, or ``(None, why none)``: by its
+        Canvas user id ``uid`` where it has one and the roster has IDs; else by ``name``
+        (a folder's) equal to a login of one row (:data:`LOGINS`), else to the display name
+        (``Student``) of exactly one row. Exact, case included: "Bob" is not "bob"."""
+        def rows_where(columns, wanted):
+            return [i for i, row in enumerate(self.rows)
+                    if wanted in {(value(row, c) or "").strip() for c in columns}]
+        if uid and any(value(row, "ID") for row in self.rows):
+            hits, what = rows_where(["ID"], uid), f"Canvas id {uid}"
+        else:
+            hits, what = rows_where(LOGINS, name), f"login {name!r}"
+            if not hits:
+                hits, what = rows_where(["Student"], name), f"name {name!r}"
+        if len(hits) == 1:
+            return hits[0], ""
+        return None, f"{len(hits) or 'no'} roster rows have the {what}"
+
+    def label(self, index: int) -> str:
+        """A row as the instructor knows it: its name and id (bounded, printable)."""
+        row = self.rows[index]
+        name, uid = value(row, "Student") or "", value(row, "ID") or value(row, "SIS Login ID")
+        return printable(f"{name[:60]} (ID {(uid or '?')[:20]})")
 
 
 ALIASES = {"Student": ["name", "student name"], "ID": ["id", "canvas id", "user id"],
@@ -162,8 +191,9 @@ def _assignment_id(column: str) -> Optional[str]:
 
 def assignment_columns(roster: Roster) -> List[str]:
     """The roster's columns that can be assignments: not a student's identity (Canvas's,
-    :data:`KEYS` and their :data:`ALIASES`), not one of Canvas's totals."""
-    identity = {k.lower() for k in CANVAS_IDENTITY + KEYS + ["Integration ID", "Root Account"]}
+    :data:`LOGINS` and their :data:`ALIASES`), not one of Canvas's totals."""
+    identity = {k.lower() for k in CANVAS_IDENTITY + LOGINS + ["student", "login", "email",
+                                                                "Integration ID", "Root Account"]}
     identity |= {a for names in ALIASES.values() for a in names}
     return [c for c in roster.columns if c and c.strip().lower() not in identity
             and not NOT_ASSIGNMENTS.search(c) and c != roster.columns[0]]
@@ -305,8 +335,9 @@ def write_canvas_csv(book, path, roster: Optional[Roster] = None,
                             f"an assignment's points: set them to {book.maxima[lab]:g} in Canvas")
     identity = CANVAS_IDENTITY
     rows, seen, strangers = [], set(), []
+    matched = book.roster_rows or (_rows_of(book, roster) if roster else {})
     for row in (roster.rows if roster else []):
-        student = next((s for s in book.students if roster.find(s, _uid(book, s)) is row), None)
+        student = next((s for s, r in matched.items() if r is row), None)
         seen.add(student)
         rows.append(([value(row, c) or "" for c in identity], student, row))
     for student in book.students:
@@ -330,6 +361,12 @@ def _score(grade, current: Optional[str] = None) -> str:
     """The cell: the counted notebook's score; else what Canvas has (the roster's value),
     since a blank cell clears a score in Canvas."""
     return (current or "").strip() if grade is None else f"{grade.score:g}"
+
+
+def _rows_of(book, roster: Roster) -> Dict[str, Dict[str, str]]:
+    """``{student: roster row}`` of a book made without :func:`~.handins.identify`."""
+    found = {s: roster.match(s, _uid(book, s))[0] for s in book.students}
+    return {s: roster.rows[i] for s, i in found.items() if i is not None}
 
 
 def _uid(book, student: str) -> Optional[str]:

@@ -109,7 +109,7 @@ def grade_submission(folder: Path, solutions: Path, config: dict, budget: float)
     from ..notebook.exercises import titles
     from .gradebook import Gradebook, lab_points
     from ..grading.grader import load_solutions
-    from .handins import Submission, notebooks_in
+    from .handins import handed_in
     from ..grading.sandbox import Limits
     from ..grading.scoring import ExerciseScore
     labs = {lab: nb for lab, nb in load_solutions(solutions).items()
@@ -119,7 +119,7 @@ def grade_submission(folder: Path, solutions: Path, config: dict, budget: float)
               for lab, nb in labs.items()}
     box = choose_sandbox(config, solutions.parent)
     real = os.path.realpath(folder)
-    found = [Submission(STUDENT, p, real) for p in notebooks_in(folder)] if folder.is_dir() else []
+    found = handed_in(folder, STUDENT, real) if folder.is_dir() else []
     total = max(30.0, budget)
     grades = grade_class(found, labs, box, Limits(memory_gib=memory_gib(config)),
                          min(float(config["timeout"]), total), total, jobs=1, progress=False)

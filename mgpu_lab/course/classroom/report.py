@@ -17,12 +17,13 @@ control characters go. One student's report that cannot be written costs that fi
 from __future__ import annotations
 
 import csv
+import hashlib
 import html
 import json
 import re
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from .gradebook import as_gradebook
 
@@ -40,16 +41,20 @@ def spreadsheet_safe(value):
 def markdown_safe(text) -> str:
     """``text`` on one line, shown as it is by a markdown (and HTML) renderer: no tag, no
     link, no emphasis, no table cell boundary."""
-    text = html.escape(" ".join(str(text).split()), quote=False)
+    text = html.escape(" ".join(printable(text).split()), quote=False)
     text = _MARKDOWN.sub(r"\\\1", text)
     return re.sub(r"(?i)www\.", "www\\.", text)
 
 FEEDBACK_LIMIT = 300
+SHOWN = 400          # characters of a line that shows a path
 
 
-def printable(text) -> str:
-    """``text`` without control characters (a terminal's escape sequences)."""
-    return "".join(c if c.isprintable() else "?" for c in str(text))
+def printable(text, limit: Optional[int] = None) -> str:
+    """``text`` without control characters (a terminal's escape sequences) nor undecodable
+    bytes of a name; cut to ``limit`` characters if given."""
+    text = str(text)
+    text = text if limit is None or len(text) <= limit else text[:limit - 3] + "..."
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def lab_label(lab: str, labs: List[str]) -> str:
@@ -76,7 +81,10 @@ def print_summary(grades, sandbox_line: str, file=None) -> None:
                         + [f"{book.total(s):g}/{book.max_total:g}"]), file=file)
     for s, notebooks in sorted(book.unmatched.items()):
         for g in notebooks:
-            print(printable(f"not graded: {g.path}: {g.error or 'no lab'}"), file=file)
+            print(printable(f"not graded: {s}: {g.path}: {g.error or 'no lab'}", SHOWN),
+                  file=file)
+    for notice in book.notices:
+        print(printable(notice, SHOWN), file=file)
     if book.students:
         counted = sum(len(book.entries[s]) for s in book.students)
         flags = "; ".join(f for f, seen in (
@@ -102,7 +110,7 @@ def print_details(grades, file=None) -> None:
     file, book = file or sys.stdout, as_gradebook(grades)
     for g in sorted(book.grades, key=lambda g: (g.student, g.lab or "", g.path)):
         head = printable(f"{g.student}  {g.lab or '?'}  {g.score:g}/{g.max_score:g}  "
-                         f"{g.path}  ({g.seconds:.1f} s)")
+                         f"{g.path}  ({g.seconds:.1f} s)", SHOWN)
         head += f"  [{g.error}]" if g.error else ""
         head += f"  [TAMPERING: {len(g.tampering)} finding(s)]" if g.tampering else ""
         print(head, file=file)
@@ -139,7 +147,8 @@ def write_json(grades, path, sandbox_line: str) -> None:
                     "not_counted": [o.path for e in book.entries[s].values() for o in e.others]}
                 for s in book.students}
     data = {"sandbox": sandbox_line, "policy": book.policy, "labs": book.maxima,
-            "notebooks": [g.to_dict() for g in book.grades], "students": students}
+            "notebooks": [g.to_dict() for g in book.grades], "students": students,
+            "notices": book.notices}
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
@@ -166,7 +175,13 @@ def write_csv(grades, path) -> None:
 
 
 def _safe(name: str) -> str:
-    return re.sub(r"[^\w.-]+", "_", name).strip("._") or "unnamed"
+    """A file name for ``name``: itself when plain (lower-case letters, digits, ``_.-``, no
+    dot at either end, 64 at most), else its plain part, ``~`` and a hash of it: distinct
+    names, distinct files, on any file system (one blind to case too)."""
+    if re.fullmatch(r"[a-z0-9_-]([a-z0-9_.-]{0,62}[a-z0-9_-])?", name):
+        return name
+    plain = re.sub(r"[^a-z0-9_.-]+", "_", name.lower()).strip("._")[:40]
+    return f"{plain}~{hashlib.sha256(name.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
 
 
 def write_feedback(grades, folder) -> List[Path]:
