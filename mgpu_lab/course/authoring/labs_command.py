@@ -4,7 +4,8 @@
     mgpu-lab labs execute [NOTEBOOK ...]           run solutions in place, store outputs
     mgpu-lab labs copy DIR [--labs NN ...] [--update]  the labs, to work in (no clone needed);
                                                    --update: a changed lab replaces an older copy
-    mgpu-lab labs check NN                         one lab, as CI checks it (the author's loop)
+    mgpu-lab labs check NN [--portable]            one lab, as CI checks it (the author's loop)
+    mgpu-lab labs check --portable                 every solution's nbval under baseline instruction sets
 
 They work on the checkout they are run in: ``labs/`` and ``solutions/`` are found by
 walking up from the current folder (or ``--root``; :mod:`~mgpu_lab.course.notebook.layout`).
@@ -123,9 +124,37 @@ def readme_table_command(root: Path) -> list:
     return [sys.executable, "-m", "pytest", README_TABLE_TEST, "-p", "no:cacheprovider", "-q"]
 
 
+# torch's, oneDNN's and MKL's kernels limited to baseline instruction sets: other float kernels
+# (other summation orders, other roundings), as another CPU would pick. A stored output that
+# changes under them is not deterministic on any CPU (docs/AUTHORING.md).
+PORTABLE_ENV = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+
+
+def portable_command(notebooks: list) -> list:
+    """The nbval run of ``notebooks`` (paths relative to the checkout) that ``--portable`` adds,
+    to be run with :data:`PORTABLE_ENV`: CI's options, two workers for more than one notebook."""
+    workers = ["-n", "2", "--dist", "loadfile"] if len(notebooks) > 1 else []
+    return [sys.executable, "-m", "pytest", "-p", "mgpu_lab.course", *workers, *notebooks,
+            "--nbval", "--nbval-current-env", "--nbval-cell-timeout=300",
+            "--nbval-sanitize-with", "solutions/sanitize.cfg", "-p", "no:cacheprovider", "-q"]
+
+
+def _run_portable(root: Path, notebooks: list) -> int:
+    from time import monotonic
+    import subprocess
+    start = monotonic()
+    env = dict(os.environ, **PORTABLE_ENV)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    code = subprocess.call(portable_command(notebooks), cwd=root, env=env)
+    print(f"mgpu-lab labs check --portable ({' '.join(f'{k}={v}' for k, v in PORTABLE_ENV.items())}): "
+          f"{'passed' if code == 0 else 'FAILED'} in {monotonic() - start:.0f} s")
+    return code
+
+
 def _cmd_check(args) -> int:
     """``labs build --check`` for the lab, README's lab table (:func:`readme_table_command`),
-    then :func:`check_command`; its exit status."""
+    then :func:`check_command`; its exit status. With ``--portable``, then the lab's nbval once
+    more under :data:`PORTABLE_ENV` (no lab: every solution's, and nothing else)."""
     import subprocess
     from time import monotonic
     try:
@@ -133,6 +162,12 @@ def _cmd_check(args) -> int:
     except FileNotFoundError as err:
         print(f"mgpu-lab labs check: {err}", file=sys.stderr)
         return 2
+    if args.lab is None:
+        if not args.portable:
+            print("mgpu-lab labs check: name a lab (NN), or give --portable for every solution", file=sys.stderr)
+            return 2
+        return _run_portable(root, [p.relative_to(root).as_posix()
+                                    for p in sorted((root / "solutions").glob("*.ipynb"))])
     found = [p for p in sorted((root / "solutions").glob("*.ipynb"))
              if p.stem == args.lab or p.name.split("_")[0] == args.lab]
     if len(found) != 1 or not (root / "tests" / "test_mutants.py").is_file():
@@ -167,6 +202,8 @@ def _cmd_check(args) -> int:
     code = subprocess.call(check_command(root, lab), cwd=root, env=env)
     print(f"mgpu-lab labs check {lab}: {'passed' if code == 0 else 'FAILED'} "
           f"in {monotonic() - start:.0f} s")
+    if code == 0 and args.portable:
+        code = _run_portable(root, [f"solutions/{lab}.ipynb"])
     return code
 
 
@@ -206,7 +243,10 @@ def add_parser(subparsers) -> None:
     check = sub.add_parser("check", help="one lab as CI checks it: labs/ fresh, README's lab "
                            "table, nbval, its solution (full marks), its untouched cells (0) "
                            "and its mutants")
-    check.add_argument("lab", metavar="NN", help="the lab's number (00) or name (00_setup)")
+    check.add_argument("lab", metavar="NN", nargs="?", help="the lab's number (00) or name (00_setup)")
+    check.add_argument("--portable", action="store_true",
+                       help="then its nbval once more with torch's, oneDNN's and MKL's kernels limited to "
+                            "baseline instruction sets (no NN: every solution's nbval, and only that)")
     check.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
     check.set_defaults(func=_cmd_check)
 
