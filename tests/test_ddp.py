@@ -362,10 +362,13 @@ def _pickle_cases():
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
     out = {}
     for name, cls in {"torch": DistributedDataParallel, "naive": NaiveDDP, "bucketed": BucketedDDP}.items():
-        buf = io.BytesIO()
-        torch.save(cls(TiedNet(seed=rank)), buf)  # torch.save(model), as torch DDP allows
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        buf, wrapped = io.BytesIO(), cls(TiedNet(seed=rank))
+        wrapped.register_comm_hook(None, allreduce_hook)
+        torch.save(wrapped, buf)  # torch.save(model), as torch DDP allows
         buf.seek(0)
         model = torch.load(buf, weights_only=False)
+        model.register_comm_hook(None, allreduce_hook)  # the hook was dropped (torch's reducer is rebuilt)
         opt = _optimizer("adam", model.parameters())
         for x, y in token_batches(2, BATCH, SEQ):
             opt.zero_grad()

@@ -128,12 +128,14 @@ class _DataParallelBase(nn.Module):
 
     def __getstate__(self):
         """Pickling (``torch.save(model)``), as torch DDP: the default process group only; the
-        hooks are left out and registered again on unpickling, which needs a process group."""
+        gradient hooks are left out and registered again on unpickling, which needs a process
+        group; a communication hook is dropped (torch's lives in the reducer it rebuilds)."""
         if self.process_group is not None and self.process_group != dist.group.WORLD:
             raise RuntimeError(f"{type(self).__name__}: pickling is only supported with the default process "
                                "group (as torch DDP): save model.module, or its state_dict()")
         state = dict(self.__dict__)
         state.pop("_hooks")
+        state["_comm_hook"] = None
         return state
 
     def __setstate__(self, state):

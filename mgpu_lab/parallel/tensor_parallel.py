@@ -220,11 +220,11 @@ class _ParallelLinear(nn.Module):
         super().__init__()
         require_process_group(type(self).__name__)
         if isinstance(linear, nn.Embedding):
-            style = "ColwiseParallel() (the embedding dimension)" if self.split_dim == 0 else \
-                "RowwiseParallel() (the vocabulary)"
-            raise TypeError(f"mgpu_lab's {type(self).__name__} splits an nn.Linear, not an nn.Embedding: for an "
-                            f"embedding use torch's parallelize_module(model, mesh, {{'embed': {style}}}) "
-                            "from torch.distributed.tensor.parallel")
+            style, dim = (("ColwiseParallel", "the embedding dimension") if self.split_dim == 0 else
+                          ("RowwiseParallel", "the vocabulary"))
+            raise TypeError(f"mgpu_lab's {type(self).__name__} splits an nn.Linear, not an nn.Embedding: to split "
+                            f"an embedding along {dim} use torch's parallelize_module(model, mesh, "
+                            f"{{'embed': {style}()}}) from torch.distributed.tensor.parallel")
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{type(self).__name__}.from_linear expects an nn.Linear, got {type(linear).__name__}")
         self.group, self.sequence_parallel = group, sequence_parallel
