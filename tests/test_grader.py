@@ -121,6 +121,8 @@ def build_class(tmp: Path, sandboxed: bool):
     write(toy(add="def add(a, b):\n    raise ValueError(f'secret-{a}-{b} <b>x</b>')",     # leaks?
               mul="class HIDDEN_MUL_CASE(Exception):\n    pass\ndef mul(a, b):\n"
                   "    raise HIDDEN_MUL_CASE(a, b)"), klass / "leaky.ipynb")
+    write(toy(add="raise ValueError('secret')\ndef add(a, b):\n    return a + b"),     # never defined
+          klass / "raiser.ipynb")
     if not sandboxed:
         return klass, {}
     outside = {"home": Path.home() / "mgpu_lab_pwned.txt",
@@ -170,7 +172,7 @@ def graded(tmp_path_factory):
 def test_exit_zero_and_every_notebook_reported(graded):
     code, by_name, _, _, _, report = graded
     assert code == 0
-    assert len(report["notebooks"]) == 16 + (4 if SANDBOX.available else 0)
+    assert len(report["notebooks"]) == 17 + (4 if SANDBOX.available else 0)
     assert report["sandbox"].startswith("sandbox: bubblewrap" if SANDBOX.available
                                         else "sandbox: OFF")
     import os
@@ -556,6 +558,17 @@ def test_h3_a_learners_exception_is_reported_by_type_and_line_never_its_message(
     assert messages["mul_test"] == "raised at line 4 of cell 4 (your code)"
     text = (graded[3] / "leaky" / "toy.md").read_text()
     assert "secret" not in text and "HIDDEN" not in text and "<b>" not in text
+
+
+def test_an_exercise_cell_that_raised_is_named_not_the_probes_error(graded):
+    """The learner's exercise cell raised before defining ``add``: the report names that
+    cell's error (type, cell, line), not the check's NameError that follows from it; the
+    other exercise is scored as usual."""
+    raiser = graded[1]["raiser"]
+    assert scores(raiser) == {"add_test": (0, "ValueError"), "mul_test": (3, None)}
+    message = next(e["message"] for e in raiser["exercises"] if e["grade_id"] == "add_test")
+    assert "your exercise cell raised it" in message and "line 1 of cell 2" in message
+    assert "secret" not in message
 
 
 def test_find_submissions_layouts(tmp_path):

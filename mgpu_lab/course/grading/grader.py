@@ -180,9 +180,10 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
         attempts = attempts_of(prepared, instructor)
     except (RecursionError, MemoryError, ValueError):   # an explanation, never a cost
         attempts = {}
+    raised = exercise_errors(prepared, instructor, run)
     for gid, cell in graded_cells(instructor).items():
         found = evidence(gid, cell, where.get(gid), prepared, tampered, static, run)
-        attempt = attempts.get(gid)      # a syntax error elsewhere explains a NameError only
+        attempt = attempts.get(gid) or raised.get(gid)  # a syntax error elsewhere explains a NameError only
         if attempt and (attempt[2] or found.error == "NameError"):
             found.attempt = attempt[:2]
         grade.exercises.append(score(gid, float(nbgrader_meta(cell)["points"]), found,
@@ -225,6 +226,26 @@ def attempts_of(prepared, instructor) -> dict:
             broken = (f"cell {prepared.origin[i]} (your code) is not valid Python: "
                       f"{problem[1]}, line {problem[0]}; what it defines is missing")
     return out
+
+
+def exercise_errors(prepared, instructor, run) -> dict:
+    """``{graded grade_id: (error, message, True)}`` where the learner's own exercise cell for
+    that check raised when it ran: the check's failure (a ``NameError``, a rank's error in its
+    probe) follows from it, so the report names the exercise cell's error (its type, cell and
+    line: :func:`~mgpu_lab.course.grading.scoring.kernel_error`), not the probe's."""
+    if run is None:
+        return {}
+    exercise, mine = exercise_of(instructor), {}
+    for i, cell in enumerate(prepared.nb.cells):
+        gid = nbgrader_meta(cell).get("grade_id")
+        result = run.results.get(i)
+        if (cell.cell_type == "code" and i not in prepared.graded and prepared.origin[i] is not None
+                and gid and result is not None and result.error):
+            error, message = kernel_error(result.error, result.message, result.frames,
+                                          _learners_cells(prepared), (i, 0), ())
+            mine[gid] = (error, f"your exercise cell raised it when it ran ({message}); "
+                                "the check ran after it", True)
+    return {g: mine[ex] for g, ex in exercise.items() if ex in mine}
 
 
 def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
