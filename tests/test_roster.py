@@ -188,6 +188,8 @@ def test_a_name_in_any_bytes_and_a_deep_folder_cost_their_own_only(graded):
     assert len(deep) == 1 and f"more than {MAX_DEPTH} levels down" in deep[0]
     assert len(deep[0]) < 400
     assert json.loads((tmp / "g.json").read_text())["students"][bad]["total"] == 3
+    raw = (tmp / "g.json").read_text(encoding="utf-8")
+    assert "\\udc" not in raw, "a lone surrogate (a name's bad bytes) is not valid Unicode in JSON"
     assert (tmp / "fb").joinpath(next(p for p in os.listdir(tmp / "fb")
                                       if p.startswith("bad_name_")), "toy.md").is_file()
 

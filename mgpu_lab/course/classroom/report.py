@@ -149,7 +149,20 @@ def write_json(grades, path, sandbox_line: str) -> None:
     data = {"sandbox": sandbox_line, "policy": book.policy, "labs": book.maxima,
             "notebooks": [g.to_dict() for g in book.grades], "students": students,
             "notices": book.notices}
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    Path(path).write_text(json.dumps(_valid_unicode(data), indent=2) + "\n", encoding="utf-8")
+
+
+def _valid_unicode(value):
+    """``value`` with every string valid Unicode: a name that was not valid UTF-8 on disk
+    (decoded with surrogate escapes) gets U+FFFD for its bad bytes, as the other reports do;
+    a strict JSON reader would refuse a lone surrogate."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {_valid_unicode(k): _valid_unicode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_valid_unicode(v) for v in value]
+    return value
 
 
 def write_csv(grades, path) -> None:
