@@ -142,3 +142,20 @@ def test_the_judge_process_checks_the_cases_the_grader_sends(tmp_path):
                                            "shape (32768, 1), the check expects (2,)")
     finally:
         judge.close()
+
+
+def test_labs_expects_writes_what_the_solutions_probes_send_and_the_solution_then_passes(tmp_path):
+    """``mgpu-lab labs expects`` on the grader's toy lab: the names its judge parts read, as the
+    real grader's run of the solution sent them (hidden cases included); grading it again with
+    them in place gives full marks."""
+    import shutil
+    from mgpu_lab.course.authoring.labs_command import write_expects
+    from mgpu_lab.course.grading.grader import grade_notebook, load_solutions
+    from test_grader import SANDBOX, TOY
+    path = tmp_path / "toy.ipynb"
+    shutil.copy(TOY, path)
+    assert write_expects(path) == ["add_test", "mul_test"]
+    written = {gid: course_meta(c)["expects"] for gid, c in graded_cells(nbformat.read(path, as_version=4)).items()}
+    assert written == {"add_test": {"mine": "num"}, "mul_test": {"mine": "[num] * 2"}}
+    grade = grade_notebook(path, load_solutions(tmp_path), box=SANDBOX)
+    assert [(e.grade_id, e.score) for e in grade.exercises] == [("add_test", 2.0), ("mul_test", 3.0)], grade

@@ -101,10 +101,10 @@ def _kind(value) -> str:
     import torch
     if isinstance(value, torch.Tensor):
         return "a tensor"
-    sig = signature(value)
-    kind = sig if isinstance(sig, str) else sig[0]
-    return {"num": "a number", "bool": "a bool", "str": "a string", "none": "None",
-            "seq": "a list", "dict": "a dict"}.get(kind, f"a {kind}")
+    if isinstance(value, (list, tuple, dict)):
+        return "a dict" if isinstance(value, dict) else "a list"
+    return {"num": "a number", "bool": "a bool", "str": "a string", "none": "None"}.get(
+        signature(value), f"a {signature(value)}")
 
 
 def _mismatch(sig, value, path: str, free) -> Optional[tuple]:
@@ -117,7 +117,7 @@ def _mismatch(sig, value, path: str, free) -> Optional[tuple]:
             ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
                 isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex())
         else:
-            ok = signature(value) == sig
+            ok = not isinstance(value, (list, tuple, dict, torch.Tensor)) and signature(value) == sig
         want = {"num": "a number", "bool": "a bool", "str": "a string", "none": "None"}.get(sig, sig)
         return None if ok else (path, f"{_kind(value)}, the check expects {want}",
                                 f"{_kind(value)} where the check expects another type")
