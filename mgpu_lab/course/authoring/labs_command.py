@@ -2,6 +2,8 @@
 
     mgpu-lab labs build [--check] [SOLUTION ...]   labs/ generated from solutions/
     mgpu-lab labs execute [NOTEBOOK ...]           run solutions in place, store outputs
+    mgpu-lab labs expects [NOTEBOOK ...]           store the cases each check asks for (after
+                                                   a probe or its inputs change)
     mgpu-lab labs copy DIR [--labs NN ...] [--update]  the labs, to work in (no clone needed);
                                                    --update: a changed lab replaces an older copy
     mgpu-lab labs check NN [--portable]            one lab, as CI checks it (the author's loop)
@@ -80,6 +82,80 @@ def _cmd_execute(args) -> int:
     for line in failures:
         print(f"FAILED {line}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def solution_answers(path: Path, timeout: float = 600.0) -> dict:
+    """``{grade_id: {name: value}}``: what each graded cell's probe sends back when the
+    solution is graded by the real grader (its own cells as the submission, no cases
+    checked); RuntimeError naming each check the solution does not pass."""
+    from ..grading.judge import load_answer
+    from ..grading.sandbox import Limits, probe
+    from ..grading.session import run_prepared
+    from ..grading.submission import prepare_submission
+    from ..notebook.cells import graded_cells
+    nb = nbformat.read(path, as_version=4)
+    for cell in graded_cells(nb).values():              # stale ones must not fail it
+        cell.metadata.get("mgpu_lab", {}).pop("expects", None)
+    captured: dict = {}
+    prepared = prepare_submission(nb, nb)
+    run = run_prepared(prepared, nb, probe(), Limits(), timeout, None, capture=captured)
+    failed = [f"{gid}: {v.error if v else 'NotRun'}: {v.message[:300] if v else ''}"
+              for i, gid in prepared.graded.items() for v in [run.verdicts.get(i)]
+              if v is None or v.error]
+    if failed:
+        raise RuntimeError(f"{path.name}: the solution fails its own checks:\n  " + "\n  ".join(failed))
+    answers = {}
+    for gid, msg in captured.items():
+        answers[gid] = {}
+        for name, data in msg.names.items():
+            try:                        # what the judge cannot read, it does not get either
+                answers[gid][name] = load_answer(data)
+            except Exception:
+                pass
+    return answers
+
+
+def write_expects(path: Path, timeout: float = 600.0, answers: dict = None) -> List[str]:
+    """Store each graded cell's ``expects`` (:mod:`~mgpu_lab.course.grading.cases`) in the
+    solution at ``path``, from ``answers`` (default: :func:`solution_answers`); the grade ids
+    whose expects changed."""
+    from ..grading.cases import names_read, render, signature
+    from ..notebook import graded_cell
+    from ..notebook.cells import graded_cells
+    answers = solution_answers(path, timeout) if answers is None else answers
+    nb = nbformat.read(path, as_version=4)
+    changed = []
+    for gid, cell in graded_cells(nb).items():
+        read = names_read(graded_cell.split(cell.source).judge)
+        expects = {name: render(signature(value)) for name, value in answers[gid].items()
+                   if name in read}
+        meta = cell.metadata.setdefault("mgpu_lab", {})
+        if meta.get("expects") != expects:
+            meta["expects"] = expects
+            changed.append(gid)
+    if changed:
+        nbformat.write(nb, path)
+    return changed
+
+
+def _cmd_expects(args) -> int:
+    if not args.notebooks:
+        try:
+            args.solutions = course_dir(args, "solutions")
+        except FileNotFoundError as err:
+            print(f"mgpu-lab labs expects: {err}", file=sys.stderr)
+            return 2
+    paths = args.notebooks or sorted(Path(args.solutions).glob("*.ipynb"))
+    code = 0
+    for path in map(Path, paths):
+        try:
+            changed = write_expects(path, args.timeout)
+        except RuntimeError as err:
+            print(f"mgpu-lab labs expects: {err}", file=sys.stderr)
+            code = 1
+            continue
+        print(f"{path}: expects {'written for ' + ', '.join(changed) if changed else 'up to date'}")
+    return code
 
 
 def _cmd_copy(args) -> int:
@@ -228,6 +304,14 @@ def add_parser(subparsers) -> None:
     execute.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
     execute.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
     execute.set_defaults(func=_cmd_execute)
+    expects = sub.add_parser("expects", help="store in each solution's graded cells the cases "
+                             "their probes send back (the judge checks answers against them)")
+    expects.add_argument("notebooks", nargs="*", type=Path,
+                         help="default: every notebook in --solutions")
+    expects.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
+    expects.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
+    expects.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
+    expects.set_defaults(func=_cmd_expects)
     copy_ = sub.add_parser("copy", help="copy the lab notebooks into a folder, to work in "
                            "(adds labs it lacks; --update replaces older versions, keeping "
                            "yours as NAME.ipynb.bak)")

@@ -11,8 +11,10 @@ unpickles or runs anything the learner wrote. It runs the instructor's cells tag
    returns the names it bound that are plain data (the grader sends them into the
    learner's kernel) and those that are not (deleted there);
 2. ``Judge``: reads the probe's data (:func:`load_answer`: ``torch.load(weights_only=True)``,
-   then every tensor checked and copied, within :data:`ELEMENT_LIMIT` elements), binds it
-   over the inputs' names and runs the judge part: its exception, or none, is the verdict.
+   then every tensor checked and copied, within :data:`ELEMENT_LIMIT` elements), checks that
+   it holds exactly the cases the check asked for (:mod:`.cases`: keys, lengths, shapes,
+   dtypes; a mismatch is the verdict, :data:`CASES`), binds it over the inputs' names and runs
+   the judge part: its exception, or none, is the verdict (:func:`judge_answer`).
 
 It runs under a memory limit (``RLIMIT_AS``, :func:`limit_memory`) where no GPU is
 present. The messages are :mod:`mgpu_lab.course.grading.protocol`'s; :class:`JudgeProcess` is
@@ -39,6 +41,7 @@ DEPTH_LIMIT = 32             # nesting of lists, tuples and dicts in an answer
 ITEM_LIMIT = 2**20           # values (containers, numbers, strings...) in an answer
 MEMORY_ENV = "MGPU_LAB_JUDGE_MEMORY"   # bytes of address space the judge may map
 VERDICT_LIMIT = 2000
+CASES = "WrongCases"         # the verdict when the answer does not hold the check's cases
 
 
 class JudgeError(RuntimeError):
@@ -195,6 +198,37 @@ def run_setup(cells: List[str], base: dict) -> Reply:
         return Reply(False, "JudgeError", f"Setup: {type(err).__name__}: {err}"[:VERDICT_LIMIT])
 
 
+def judge_answer(ns: dict, req: Judge) -> Reply:
+    """The verdict on one probe's answer, in ``ns`` (the inputs part's namespace): the
+    answer loaded, checked against the cases the check asked for (:mod:`.cases`), then the
+    judge part run."""
+    from .cases import check_cases
+    missing = list(req.missing)
+    for name in missing:
+        ns.pop(name, None)
+    answer = {}
+    for name, data in req.answer.items():
+        try:
+            ns[name] = answer[name] = load_answer(data)
+        except Exception:
+            ns.pop(name, None)
+            missing.append(name)
+    cases = req.cases or {}
+    if "expects" in cases:              # exactly the names the solution sends, and their cases
+        for name in set(answer) - set(cases["expects"]):
+            ns.pop(name, None)
+        problem = check_cases(cases["expects"], answer, cases.get("free", ()),
+                              cases.get("hidden"), missing)
+        if problem:
+            return Reply(False, CASES, problem[:VERDICT_LIMIT])
+    name = f"<judge of {req.id}>"
+    try:
+        _run(req.source, ns, name)
+        return Reply(True)
+    except BaseException as err:  # the verdict: any exception fails the check
+        return _failure(err, missing, name)
+
+
 def serve(pipe, base: dict) -> int:
     """Answer requests until the pipe closes; ``base``: the setup namespace."""
     from ..notebook.graded_cell import bound_names
@@ -216,22 +250,7 @@ def serve(pipe, base: dict) -> int:
                 spaces[req.id] = ns
                 pipe.send(Reply(True, ship=ship, drop=drop))
             elif isinstance(req, Judge):
-                ns = spaces.pop(req.id)
-                missing = list(req.missing)
-                for name in missing:
-                    ns.pop(name, None)
-                for name, data in req.answer.items():
-                    try:
-                        ns[name] = load_answer(data)
-                    except Exception:
-                        ns.pop(name, None)
-                        missing.append(name)
-                name = f"<judge of {req.id}>"
-                try:
-                    _run(req.source, ns, name)
-                    pipe.send(Reply(True))
-                except BaseException as err:  # the verdict: any exception fails the check
-                    pipe.send(_failure(err, missing, name))
+                pipe.send(judge_answer(spaces.pop(req.id), req))
             else:
                 pipe.send(Reply(False, "JudgeError", f"unknown request {type(req).__name__}"))
         except BaseException as err:
@@ -282,10 +301,12 @@ class JudgeClient:
         return reply.ship, reply.drop
 
     def verdict(self, grade_id: str, source: str, answer: Dict[str, str],
-                missing: List[str]) -> Reply:
+                missing: List[str], cases: Optional[dict] = None) -> Reply:
         """The judge part's :class:`~mgpu_lab.course.grading.protocol.Reply`: ``ok``, or the
-        exception's name, its line of the cell, and (an assertion's) message."""
-        return self._ask(f"{grade_id}'s judge", Judge(grade_id, source, answer, missing))
+        exception's name, its line of the cell, and (an assertion's) message; ``cases``: what
+        the check asked for (:func:`.cases.cases_of`), checked first."""
+        return self._ask(f"{grade_id}'s judge", Judge(grade_id, source, answer, missing,
+                                                       cases or {}))
 
 
 class JudgeProcess(JudgeClient):

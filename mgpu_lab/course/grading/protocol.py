@@ -139,6 +139,7 @@ class Judge:
     source: str
     answer: Dict[str, str]
     missing: List[str]
+    cases: dict = field(default_factory=dict)   # expects, free, hidden: :mod:`.cases`
 
 
 @dataclass

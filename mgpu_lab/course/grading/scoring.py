@@ -209,7 +209,7 @@ def verdict_text(error: Optional[str], message: str, line: Optional[int]) -> Tup
     if error == "AssertionError":
         where = f"check line {line}" if line else "the check"
         return error, f"{message} ({where})" if message else f"{where} failed"
-    if error in ("JudgeError", "Settled") or (
+    if error in ("JudgeError", "Settled", "WrongCases") or (
             error == "NameError" and (message or "").startswith("`")):
         return error, message or ""
     return exception_name(error), (f"raised by the check, line {line}" if line else "")

@@ -27,6 +27,7 @@ import nbformat
 
 from ..notebook import graded_cell
 from ..notebook.cells import given_sources, graded_cells, setup_sources
+from .cases import cases_of
 from .guard import forbidden_of
 from .judge import MEMORY_ENV, JudgeError, JudgeProcess
 from .protocol import (RUNNER_COMMAND, Answer, Channel, Header, KernelStarted, Need, Outcome,
@@ -140,9 +141,13 @@ class Judges:
 
 
 def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
-             settled, deadline: float, tail: list, start_kernel=None) -> RunOutcome:
+             settled, deadline: float, tail: list, start_kernel=None, cases=None,
+             capture=None) -> RunOutcome:
     """The protocol loop, until the runner's ``Results`` (RuntimeError when it ends without).
-    ``start_kernel(StartKernel) -> KernelStarted``: the warm kernels, when there are."""
+    ``start_kernel(StartKernel) -> KernelStarted``: the warm kernels, when there are;
+    ``cases``: ``{cell index: what its check asked for}`` (:func:`.cases.cases_of`);
+    ``capture``: a dict that gets each graded cell's ``Answer``, by grade id."""
+    cases = cases or {}
     out = RunOutcome()
     while True:
         msg = channel.receive(deadline)
@@ -166,8 +171,10 @@ def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
             if i in out.verdicts:
                 continue
             try:
+                if capture is not None:
+                    capture[prepared.graded[i]] = msg
                 reply = judges.ask("verdict", prepared.graded[i], parts[i].judge, msg.names,
-                                   msg.missing)
+                                   msg.missing, cases.get(i))
                 out.verdicts[i] = Verdict(None if reply.ok else reply.error, reply.message,
                                           reply.line)
             except JudgeError as err:
@@ -180,7 +187,7 @@ def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
 
 def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
                  timeout: float, total_timeout: Optional[float], settled=frozenset(),
-                 pool=None) -> RunOutcome:
+                 pool=None, capture=None) -> RunOutcome:
     """Run the submission in the runner (sandboxed when ``box.available``), each graded
     cell's probe in its kernel and its judge here, in a judge process (forked from
     ``pool``'s zygote of the lab, when given: :mod:`mgpu_lab.course.grading.judge_pool`; and,
@@ -188,10 +195,11 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
 
     ``settled``: indices of graded cells already scored 0 by the static pass: their
     probes are not run (an empty probe is sent in its place) and not judged; the
-    learner's cells around them still run.
+    learner's cells around them still run. ``capture``: see :func:`converse`.
     """
     tests = graded_cells(instructor)
     parts = {i: graded_cell.split(tests[gid].source) for i, gid in prepared.graded.items()}
+    cases = {i: cases_of(tests[gid]) for i, gid in prepared.graded.items()}
     header = Header(nbformat.writes(prepared.nb), timeout, total_timeout, box.available,
                     asdict(limits), bool(box.cgroup), given_sources(instructor),
                     {i: forbidden_of(tests[gid]) for i, gid in prepared.graded.items()},
@@ -218,7 +226,8 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
             judges = Judges(setup_sources(instructor), home, timeout, pool, limits.memory_gib)
             judges.setup()                                      # while the kernel starts
             deadline = monotonic() + (total_timeout or 24 * 3600) + 60
-            return converse(channel, judges, prepared, parts, settled, deadline, tail, start_kernel)
+            return converse(channel, judges, prepared, parts, settled, deadline, tail, start_kernel,
+                            cases, capture)
         finally:
             if judges is not None:
                 judges.close()

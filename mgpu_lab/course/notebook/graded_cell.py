@@ -21,7 +21,9 @@ just code, top to bottom. Graded, it is split at the two marker lines:
 - the **probe** part runs in the learner's sandboxed kernel; the names it binds
   are sent back as plain data;
 - the **judge** part runs in the judge process, with the inputs part's own
-  objects and the probe's data. Its verdict is the score: nothing the learner's
+  objects and the probe's data, once the judge has checked that the data holds
+  exactly the cases the check asked for (the solution's keys, lengths, shapes and
+  dtypes: :mod:`mgpu_lab.course.grading.cases`). Its verdict is the score: nothing the learner's
   code does in its kernel (patching ``torch.equal``, IPython hooks, a notebook
   helper) reaches it.
 

@@ -150,6 +150,11 @@ def make_lab(solution, lab: str = None) -> nbformat.NotebookNode:
         cell.metadata.pop("execution", None)
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
+        course = cell.metadata.get("mgpu_lab", {})
+        for key in ("expects", "free"):      # the grader's, from the solution: hidden cases' shapes
+            course.pop(key, None)
+        if "mgpu_lab" in cell.metadata and not course:
+            del cell.metadata["mgpu_lab"]
         meta = nbgrader_meta(cell)
         if meta.get("locked") or meta.get("grade"):
             cell.metadata["editable"] = False
