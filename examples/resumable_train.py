@@ -105,7 +105,7 @@ def train(args):
         save_checkpoint(args.out, **final)
     if rank == 0:
         print(json.dumps({"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "resumed_from": start,
-                          "steps": state.step, "loss": round(loss.item(), 4)}), flush=True)
+                          "steps": state.step, "loss": round(loss.item(), 2)}), flush=True)
         return final
     return None
 
