@@ -188,8 +188,20 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
         grade.exercises.append(score(gid, float(nbgrader_meta(cell)["points"]), found,
                                      observed_of(cell)))
         grade.exercises[-1].title = named.get(gid, gid)
+        if run is not None and where.get(gid) in run.threads:
+            grade.notes.append(threads_note(grade.exercises[-1].title, *run.threads[where[gid]]))
     grade.seconds = round(monotonic() - start, 2)
     return grade
+
+
+def threads_note(title: str, running: int, names) -> str:
+    """The note for a check whose probe ended while threads the learner started still ran
+    (their later changes were not seen: the probe's results are saved at its end)."""
+    shown = f" ({', '.join(names)}{', ...' if running > len(names) else ''})" if names else ""
+    who = f"{running} threads your code started{shown} were" if running > 1 else \
+        f"a thread your code started{shown} was"
+    return (f"{title}: {who} still running when the check's probe ended; what changed after "
+            "that was not seen (the check judged the probe's results as they were then)")
 
 
 def attempts_of(prepared, instructor) -> dict:

@@ -52,6 +52,7 @@ class RunOutcome:
     results: Dict[int, Outcome] = field(default_factory=dict)     # by cell index
     violations: Dict[int, List[str]] = field(default_factory=dict)
     verdicts: Dict[int, Verdict] = field(default_factory=dict)
+    threads: Dict[int, tuple] = field(default_factory=dict)      # (running, names) at probe end
 
 
 def package_dir() -> Path:
@@ -163,6 +164,8 @@ def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
             channel.send(Probe(parts[i].probe, ship, drop, graded_cell.bound_names(parts[i].probe)))
         elif isinstance(msg, Answer):
             i = msg.index
+            if msg.running:
+                out.threads[i] = (msg.running, msg.threads)
             if i in out.verdicts:
                 continue
             try:
