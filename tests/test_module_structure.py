@@ -69,7 +69,7 @@ SIDES = {
     "shared": {"__init__", "notebook.__init__", "grading.__init__", "grading.protocol",
                "grading.guard", "notebook.cells", "notebook.graded_cell"},
     "grader": {"grading.grader", "grading.session", "grading.scoring", "grading.submission",
-               "grading.tamper", "grading.judge", "grading.judge_pool",
+               "grading.tamper", "grading.judge", "grading.judge_pool", "grading.hidden",
                "notebook.notebooks", "notebook.layout", "notebook.exercises",
                "classroom.__init__", "classroom.grade", "classroom.report", "classroom.gradebook",
                "classroom.handins", "classroom.lms", "classroom.platforms", "classroom.export",

@@ -133,8 +133,11 @@ def main() -> int:
         folder = os.path.join(io_dir, f"{index}-out")
         os.makedirs(folder, exist_ok=True)
         collect[index] = probe.collect
-        cell.source = probe.source + snapshot.LINE.format(names=probe.collect, folder=folder,
-                                                          limit=ANSWER_LIMIT)
+        # Line 1 of a probe is blank (an input's line, or the marker's): IPython drops
+        # leading blank lines, which would shift every line a traceback names.
+        source = "# the check's probe" + probe.source if probe.source.startswith("\n") else probe.source
+        cell.source = source + snapshot.LINE.format(names=probe.collect, folder=folder,
+                                                    limit=ANSWER_LIMIT)
         ship = {}
         for name, data in probe.ship.items():
             ship[name] = os.path.join(io_dir, f"{index}-in-{name}.pt")

@@ -34,10 +34,12 @@ DEPTH_LIMIT = 32
 ITEM_LIMIT = 2**20
 NAME_LIMIT, NAMES_SHOWN = 40, 5
 KERNEL_MODULES = ("ipykernel", "IPython", "jupyter_client", "zmq", "tornado", "traitlets")
-# The line the runner appends to the probe (one line, so that a traceback through it names
-# the line after the probe: the visible ``### JUDGE`` marker, never a hidden line).
-LINE = ("__import__('mgpu_lab.course.grading.snapshot', None, None, ['take'])"
-        ".take(get_ipython().user_ns, {names!r}, {folder!r}, {limit!r})\n")
+# The line the runner appends to the probe: one line (a traceback through it names the line
+# after the probe, the visible ``### JUDGE`` marker, never a hidden one), and no global name
+# (a learner's ``get_ipython`` or ``__import__`` would be called instead): a lambda's own
+# ``__globals__`` is the kernel's namespace, its ``__builtins__`` the interpreter's.
+LINE = ("(lambda: 0).__builtins__['__import__']('mgpu_lab.course.grading.snapshot', None, None, "
+        "['take']).take((lambda: 0).__globals__, {names!r}, {folder!r}, {limit!r})\n")
 
 
 class _TooLarge(Exception):
