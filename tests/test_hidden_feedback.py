@@ -6,7 +6,7 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course.grading.hidden import failure, hidden_lines
+from mgpu_lab.course.grading.hidden import WITHHELD, failure, hidden_lines, shows_hidden
 from mgpu_lab.course.grading.scoring import verdict_text
 from mgpu_lab.course.notebook.notebooks import make_lab
 from test_grader import UNSANDBOXED_IF_NEEDED, write
@@ -61,6 +61,7 @@ def test_feedback_on_failed_hidden_checks_shows_no_case_value_nor_hidden_line(tm
         "ann": ("return a * b if a < 10 else a + b", "return -a if a < 100 else -123457"),
         "ben": ("return a * b if a < 10 else -1", "return -a if a < 100 else None"),
         "cat": ("return a * b", "return -a"),
+        "dan": ("return a * b + 1", "return -a"),    # a visible check whose message shows mine
     }
     for name, (mul, neg) in learners.items():
         nb = make_lab(nbformat.from_dict(json.loads(json.dumps(lab))))
@@ -82,6 +83,7 @@ def test_feedback_on_failed_hidden_checks_shows_no_case_value_nor_hidden_line(tm
                      "hidden check 1 of this cell failed: a product of positive numbers is positive"),
         "neg_test": (0, "TypeError", "raised in a hidden part of the check's probe")}
     assert got["cat"] == {"mul_test": (1, None, ""), "neg_test": (1, None, "")}
+    assert got["dan"]["mul_test"] == (0, "AssertionError", f"check line 9 failed ({WITHHELD})")
     feedback = "".join(p.read_text() for p in out.rglob("*.md"))
     messages = " ".join(m for student in got.values() for _, _, m in student.values())
     assert "hidden check 2 of this cell failed" in feedback
@@ -90,8 +92,8 @@ def test_feedback_on_failed_hidden_checks_shows_no_case_value_nor_hidden_line(tm
     for secret in ("(17, 29)", "17, 29", "493", "12345", "123456", "123457", "memory_gib"):
         assert secret not in feedback, secret
     every = feedback + messages
-    for line in range(2, 14):        # no line of either cell is named
-        assert f"line {line}" not in every, line
+    for line in range(2, 14):        # no line of either cell is named, but dan's visible one
+        assert f"line {line}" not in every.replace("check line 9 failed", ""), line
 
 
 def test_a_visible_check_keeps_its_line_and_message():
@@ -101,3 +103,22 @@ def test_a_visible_check_keeps_its_line_and_message():
         "AssertionError", "mul(2, 3) gave 5 (check line 9)")
     assert failure(MUL_TEST, "AssertionError", 11, False) == (       # raised by a helper
         "AssertionError", "hidden check 1 of this cell failed")
+
+
+def test_a_visible_message_that_would_show_hidden_cases_is_withheld():
+    """A visible assert keeps its formatted message unless what it formats was fed by hidden
+    lines (read top to bottom): MUL_TEST's probe maps the hidden-extended cases to mine."""
+    assert shows_hidden(MUL_TEST, 9)
+    apart = ("cases = [(2, 3)]\n### BEGIN HIDDEN TESTS\nmore = [(17, 29)]\nc = more[0]\n"
+             "### END HIDDEN TESTS\n### PROBE\nmine = [mul(a, b) for a, b in cases]\n"
+             "### BEGIN HIDDEN TESTS\nhid = [mul(a, b) for a, b in more]\n### END HIDDEN TESTS\n"
+             "### JUDGE\nfor c, m in zip(cases, mine):\n    assert m == math.prod(c), f'mul{c} gave {m}'\n"
+             "### BEGIN HIDDEN TESTS\nfor c, m in zip(more, hid):\n    assert m == math.prod(c), 'mul'\n"
+             "### END HIDDEN TESTS\nassert len(mine) == 1, f'{len(mine)} results, one per case'\n"
+             "assert len(hid) == 1, f'{len(hid)} results'")
+    lines = apart.splitlines()
+    visible, counted, hidden = (lines.index(s) + 1 for s in (
+        "    assert m == math.prod(c), f'mul{c} gave {m}'",
+        "assert len(mine) == 1, f'{len(mine)} results, one per case'", "assert len(hid) == 1, f'{len(hid)} results'"))
+    assert not shows_hidden(apart, visible) and not shows_hidden(apart, counted)
+    assert shows_hidden(apart, hidden)

@@ -19,6 +19,21 @@ CGROUP = sandbox.cgroup_kind()
 NO_GPU = not __import__("glob").glob("/dev/nvidia*")
 
 
+# A setup cell (it runs in the judge too): the memory limit of the judge's own cgroup.
+JUDGE_CGROUP = """import torch
+def judge_cgroup_limit():
+    for line in open('/proc/self/cgroup'):
+        _, controllers, path = line.rstrip('\\n').split(':', 2)
+        if 'mgpu-lab-judge' not in path:
+            continue
+        if 'memory' in controllers.split(','):
+            return int(open('/sys/fs/cgroup/memory' + path + '/memory.limit_in_bytes').read())
+        if controllers == '':
+            return int(open('/sys/fs/cgroup' + path + '/memory.max').read())
+    return None"""
+EXPECTED_LIMIT = 2 * 2**30 if CGROUP else None         # --memory 2
+
+
 def bounds_lab():
     """Two exercises: f's judge broadcasts the answer against a (32768,) reference (an answer
     shaped (32768, 1), 128 KiB, makes it allocate 4 GiB); g's is ordinary."""
@@ -30,12 +45,13 @@ def bounds_lab():
         return new_code_cell(source, metadata={"nbgrader": {"grade_id": gid, "grade": True,
                                                             "solution": False, "points": 1}})
     return new_notebook(metadata={"mgpu_lab": {"lab": "bounds"}}, cells=[
-        new_code_cell("import torch", metadata={"tags": ["setup"]}),
+        new_code_cell(JUDGE_CGROUP, metadata={"tags": ["setup"]}),
         exercise("f", "def f(x):\n    ### BEGIN SOLUTION\n    return x * 2\n    ### END SOLUTION"),
         check("f_test", "x = torch.arange(32768.0)\n### PROBE\nmine = f(x)\n### JUDGE\n"
                         "assert bool(((mine - x * 2).abs() < 0.5).all()), 'f doubles x'"),
         exercise("g", "def g(y):\n    ### BEGIN SOLUTION\n    return y + 1\n    ### END SOLUTION"),
-        check("g_test", "y = 3\n### PROBE\ngot = g(y)\n### JUDGE\nassert got == 4, 'g adds one'"),
+        check("g_test", "y = 3\n### PROBE\ngot = g(y)\n### JUDGE\nassert got == 4, 'g adds one'\n"
+                        f"assert judge_cgroup_limit() == {EXPECTED_LIMIT!r}, 'not in a judge cgroup of --memory'"),
     ])
 
 

@@ -44,7 +44,7 @@ from ..notebook.cells import (exercise_of, given_statements, graded_cells, lab_i
                               nbgrader_meta, observed_of, parse)
 from ..notebook.exercises import lab_version, submitted_version, syntax_error, titles, untouched
 from .guard import called_in, forbidden_of, notebook_violations
-from .hidden import hidden_lines
+from .hidden import WITHHELD, hidden_lines, shows_hidden
 from .sandbox import Limits, Sandbox
 from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
                       verdict_text)
@@ -262,6 +262,9 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
         found.judged = True
         found.verdict, found.verdict_message = verdict_text(verdict.error, verdict.message,
                                                             verdict.line)
+        if verdict.error == "AssertionError" and verdict.line and shows_hidden(cell.source,
+                                                                               verdict.line):
+            found.verdict_message = f"check line {verdict.line} failed ({WITHHELD})"
     return found
 
 

@@ -18,8 +18,9 @@ It runs under the sandbox's memory limit: the grader puts it in a cgroup of ``--
 where it can make one (:class:`~.session.Judges`), and :func:`limit_memory` sets
 ``RLIMIT_DATA`` to the same where no GPU is present (per process: without a cgroup, a
 check that starts N processes may use N times as much). A check that needs more fails
-as a ``JudgeError`` of its cell (:data:`MEMORY_MESSAGE`), and the judge is started again. The messages are :mod:`mgpu_lab.course.grading.protocol`'s; :class:`JudgeProcess` is
-the grader's side.
+as a ``JudgeError`` of its cell (:data:`MEMORY_MESSAGE`), and the judge is started again.
+The messages are :mod:`mgpu_lab.course.grading.protocol`'s; :class:`JudgeProcess` is the
+grader's side.
 """
 from __future__ import annotations
 
@@ -257,7 +258,7 @@ def serve(pipe, base: dict) -> int:
             else:
                 pipe.send(Reply(False, "JudgeError", f"unknown request {type(req).__name__}"))
         except BaseException as err:
-            pipe.send(Reply(False, "JudgeError",
+            pipe.send(Reply(False, "JudgeError", MEMORY_MESSAGE if out_of_memory(err) else
                             f"{type(req).__name__}: {type(err).__name__}: {err}"[:VERDICT_LIMIT]))
     return 0
 

@@ -9,9 +9,10 @@ lists). Before each graded cell the runner sends ``Need``; the grader answers wi
 inputs as plain data, which the runner loads into the kernel's namespace before the
 probe runs. The probe ends by saving the names it bound (:mod:`.snapshot`, a line the
 runner appends: in the probe's own execution, so that nothing the learner's code does
-later changes them); the runner sends them back in an ``Answer``, with the threads of the
-learner's still running then: the grader's judge process reads them as plain data and decides. The sandbox never holds a judge, the instructor's
-notebook, or a graded cell before its turn. At the end: ``Results``. The kernel (a
+later changes them); the runner sends them back in an ``Answer``, with the learner's
+threads still running then: the grader's judge process reads them as plain data and
+decides. The sandbox never holds a judge, the instructor's notebook, or a graded cell
+before its turn. At the end: ``Results``. The kernel (a
 child of the runner, or forked warm into its sandbox when the header says ``warm``:
 :mod:`.warm_kernel`) has neither end of the pipe; a cold one's output goes to stderr, a
 warm one's to ``/dev/null``.

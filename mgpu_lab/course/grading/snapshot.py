@@ -33,7 +33,8 @@ SWITCH_INTERVAL = 1.0           # seconds another thread waits for the GIL durin
 DEPTH_LIMIT = 32
 ITEM_LIMIT = 2**20
 NAME_LIMIT, NAMES_SHOWN = 40, 5
-KERNEL_MODULES = ("ipykernel", "IPython", "jupyter_client", "zmq", "tornado", "traitlets")
+# Threads that are not the learner's: the kernel's own, and tqdm's monitor (a progress bar's)
+KERNEL_MODULES = ("ipykernel", "IPython", "jupyter_client", "zmq", "tornado", "traitlets", "tqdm")
 # The line the runner appends to the probe: one line (a traceback through it names the line
 # after the probe, the visible ``### JUDGE`` marker, never a hidden one), and no global name
 # (a learner's ``get_ipython`` or ``__import__`` would be called instead): a lambda's own
@@ -115,7 +116,7 @@ def _rebuild(value, memo: dict):
 
 
 def running_threads() -> list:
-    """Python threads alive other than the main one and the kernel's own."""
+    """Python threads alive other than the main one and those of :data:`KERNEL_MODULES`."""
     main, out = threading.main_thread(), []
     for t in threading.enumerate():
         target = getattr(t, "_target", None)
