@@ -231,19 +231,15 @@ def memory_cgroup(kind: Optional[str], memory_gib: float):
 
 
 def oom_kills(folders) -> int:
-    """Processes the kernel's OOM killer ended in these cgroups so far (v1's
-    ``memory.oom_control``, v2's ``memory.events``; where neither counts, times the limit was hit)."""
+    """Processes the kernel's OOM killer ended in these cgroups so far (v2's ``memory.events``,
+    v1's ``memory.oom_control``; 0 where neither counts them, before Linux 4.13)."""
     total = 0
     for d in folders:
-        for name, key in (("memory.events", "oom_kill"), ("memory.oom_control", "oom_kill"),
-                          ("memory.failcnt", None)):
+        for name, key in (("memory.events", "oom_kill"), ("memory.oom_control", "oom_kill")):
             try:
                 text = (Path(d) / name).read_text()
             except OSError:
                 continue
-            if key is None:
-                total += int(text.strip() or 0)
-                break
             found = [line.split()[1] for line in text.splitlines() if line.split()[:1] == [key]]
             if found:
                 total += int(found[0])

@@ -33,7 +33,8 @@ from .guard import forbidden_of
 from .judge import MEMORY_ENV, MEMORY_MESSAGE, JudgeError, JudgeProcess
 from .protocol import (RUNNER_COMMAND, Answer, Channel, Header, KernelStarted, Need, Outcome,
                        Probe, Results, StartKernel)
-from .sandbox import WORK, Limits, Sandbox, cgroup_kind, command, memory_cgroup, oom_kills, remove_cgroups
+from .sandbox import (WORK, Limits, Sandbox, cgroup_kind, command, memory_cgroup, oom_kills,
+                      remove_cgroups)
 from .submission import Prepared
 
 JUDGE_TIMEOUT = 300.0   # seconds for the judge's setup (imports, setup cells), at least
@@ -190,10 +191,10 @@ def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
             channel.send(Probe(parts[i].probe, ship, drop, graded_cell.bound_names(parts[i].probe)))
         elif isinstance(msg, Answer):
             i = msg.index
-            if msg.running:
-                out.threads[i] = (msg.running, msg.threads)
             if i in out.verdicts:
                 continue
+            if msg.running:
+                out.threads[i] = (msg.running, msg.threads)
             try:
                 reply = judges.ask("verdict", prepared.graded[i], parts[i].judge, msg.names,
                                    msg.missing)
