@@ -60,3 +60,27 @@ def test_the_snapshot_copies_plain_data_within_its_limits(tmp_path):
     running = snapshot.running_threads()                    # pytest's own, if any
     assert json.loads((tmp_path / snapshot.THREADS_FILE).read_text()) == {
         "running": len(running), "names": [snapshot.clean_name(t.name) for t in running][:5]}
+
+
+def test_a_thread_polling_every_millisecond_never_gets_in_before_the_snapshot(tmp_path):
+    """30 probes in one kernel, each snapshotted while a thread polls for `mine` every
+    millisecond and empties it: every snapshot holds the probe's value. (A fork at the
+    probe's end did worse: 13 of 30, its hooks let the thread run first.)"""
+    from nbformat.v4 import new_code_cell, new_notebook
+    from mgpu_lab.course.grading.kernel import run_notebook
+    spoil = ("import threading, time\nimport mgpu_lab.course.grading.snapshot as S\n"
+             "def _spoil():\n    global mine\n    while True:\n        seen = globals().get('mine')\n"
+             "        if isinstance(seen, list) and seen != [-1]:\n            seen.clear()\n"
+             "            seen.append(-1)\n            mine = [-2]\n        time.sleep(0.001)\n"
+             "threading.Thread(target=_spoil, daemon=True).start()")
+    cells = [new_code_cell(spoil)]
+    for i in range(30):
+        (tmp_path / str(i)).mkdir()
+        cells.append(new_code_cell(f"x = sum(range(20000))\nmine = [5, {i}]\n"
+                                   f"S.take(globals(), ['mine'], {str(tmp_path / str(i))!r}, 10**6)"))
+    results = run_notebook(new_notebook(cells=cells), cwd=tmp_path, progress=False)
+    assert all(r.error is None for r in results), results
+    got = [torch.load(tmp_path / str(i) / "mine.pt", weights_only=True) for i in range(30)]
+    assert got == [[5, i] for i in range(30)]
+    assert all(json.loads((tmp_path / str(i) / snapshot.THREADS_FILE).read_text())["running"] == 1
+               for i in range(30))
