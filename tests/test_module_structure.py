@@ -64,11 +64,12 @@ WINGS = {
 # A module is named by its path under course/ ("grading.runner"; a package's own file
 # "grading.__init__": importing the runner runs it).
 SIDES = {
-    "sandbox": {"grading.runner", "grading.kernel", "grading.sandbox", "grading.warm_kernel"},
+    "sandbox": {"grading.runner", "grading.kernel", "grading.sandbox", "grading.warm_kernel",
+                "grading.snapshot"},
     "shared": {"__init__", "notebook.__init__", "grading.__init__", "grading.protocol",
                "grading.guard", "notebook.cells", "notebook.graded_cell"},
     "grader": {"grading.grader", "grading.session", "grading.scoring", "grading.submission",
-               "grading.tamper", "grading.judge", "grading.judge_pool", "grading.cases",
+               "grading.tamper", "grading.judge", "grading.judge_pool", "grading.cases", "grading.hidden",
                "notebook.notebooks", "notebook.layout", "notebook.exercises",
                "classroom.__init__", "classroom.grade", "classroom.report", "classroom.gradebook",
                "classroom.handins", "classroom.lms", "classroom.platforms", "classroom.export",

@@ -44,6 +44,7 @@ from ..notebook.cells import (exercise_of, given_statements, graded_cells, lab_i
                               nbgrader_meta, observed_of, parse)
 from ..notebook.exercises import lab_version, submitted_version, syntax_error, titles, untouched
 from .guard import called_in, forbidden_of, notebook_violations
+from .hidden import WITHHELD, hidden_lines, shows_hidden
 from .sandbox import Limits, Sandbox
 from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
                       verdict_text)
@@ -189,8 +190,20 @@ def grade_notebook(path, labs, student: str = "", box: Optional[Sandbox] = None,
         grade.exercises.append(score(gid, float(nbgrader_meta(cell)["points"]), found,
                                      observed_of(cell)))
         grade.exercises[-1].title = named.get(gid, gid)
+        if run is not None and where.get(gid) in run.threads:
+            grade.notes.append(threads_note(grade.exercises[-1].title, *run.threads[where[gid]]))
     grade.seconds = round(monotonic() - start, 2)
     return grade
+
+
+def threads_note(title: str, running: int, names) -> str:
+    """The note for a check whose probe ended while threads the learner started still ran
+    (their later changes were not seen: the probe's results are saved at its end)."""
+    shown = f" ({', '.join(names)}{', ...' if running > len(names) else ''})" if names else ""
+    who = f"{running} threads your code started{shown} were" if running > 1 else \
+        f"a thread your code started{shown} was"
+    return (f"{title}: {who} still running when the check's probe ended; what changed after "
+            "that was not seen (the check judged the probe's results as they were then)")
 
 
 def attempts_of(prepared, instructor) -> dict:
@@ -264,12 +277,15 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
         probe = graded_cell.split(cell.source).probe
         found.error, found.message = kernel_error(
             result.error, result.message, result.frames, _learners_cells(prepared),
-            (index, cell.source.count("\n") + 1), _names_read(probe))
+            (index, cell.source.count("\n") + 1), _names_read(probe), hidden_lines(cell.source))
     verdict = run.verdicts.get(index) if run is not None else None
     if verdict is not None:
         found.judged = True
         found.verdict, found.verdict_message = verdict_text(verdict.error, verdict.message,
                                                             verdict.line)
+        if verdict.error == "AssertionError" and verdict.line and shows_hidden(cell.source,
+                                                                               verdict.line):
+            found.verdict_message = f"check line {verdict.line} failed ({WITHHELD})"
     return found
 
 

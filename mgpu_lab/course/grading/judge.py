@@ -16,9 +16,13 @@ unpickles or runs anything the learner wrote. It runs the instructor's cells tag
    dtypes; a mismatch is the verdict, :data:`CASES`), binds it over the inputs' names and runs
    the judge part: its exception, or none, is the verdict (:func:`judge_answer`).
 
-It runs under a memory limit (``RLIMIT_AS``, :func:`limit_memory`) where no GPU is
-present. The messages are :mod:`mgpu_lab.course.grading.protocol`'s; :class:`JudgeProcess` is
-the grader's side.
+It runs under the sandbox's memory limit: the grader puts it in a cgroup of ``--memory``
+where it can make one (:class:`~.session.Judges`), and :func:`limit_memory` sets
+``RLIMIT_DATA`` to the same where no GPU is present (per process: without a cgroup, a
+check that starts N processes may use N times as much). A check that needs more fails
+as a ``JudgeError`` of its cell (:data:`MEMORY_MESSAGE`), and the judge is started again.
+The messages are :mod:`mgpu_lab.course.grading.protocol`'s; :class:`JudgeProcess` is the
+grader's side.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import traceback
 from time import monotonic
 from typing import Dict, List, Optional, Tuple
 
+from . import hidden
 from .protocol import Channel, Inputs, Judge, Reply, Setup, child_pipe
 
 MAGIC = re.compile(r"^\s*[%!].*$", re.M)     # IPython line magics and shell escapes
@@ -39,7 +44,8 @@ PLAIN = "plain data (tensors, numbers, strings, lists, tuples, dicts)"
 ELEMENT_LIMIT = 2**24        # tensor elements in one graded cell's answer, all names together
 DEPTH_LIMIT = 32             # nesting of lists, tuples and dicts in an answer
 ITEM_LIMIT = 2**20           # values (containers, numbers, strings...) in an answer
-MEMORY_ENV = "MGPU_LAB_JUDGE_MEMORY"   # bytes of address space the judge may map
+MEMORY_ENV = "MGPU_LAB_JUDGE_MEMORY"   # bytes of data the judge may hold (the sandbox's --memory)
+MEMORY_MESSAGE = "the check needed more memory than the grader allows (--memory)"
 VERDICT_LIMIT = 2000
 CASES = "WrongCases"         # the verdict when the answer does not hold the check's cases
 
@@ -141,14 +147,15 @@ def load_answer(data):
 
 
 def limit_memory() -> None:
-    """Bound the judge's address space (``MGPU_LAB_JUDGE_MEMORY`` bytes) where no GPU is
-    present (CUDA reserves far more address space than it uses)."""
+    """Bound the judge's data (``MGPU_LAB_JUDGE_MEMORY`` bytes, ``RLIMIT_DATA``: heap and
+    private mappings, as the sandbox bounds each kernel) where no GPU is present (CUDA maps
+    far more than it uses); an allocation past it raises instead of growing."""
     import glob
     import resource
     limit = int(os.environ.get(MEMORY_ENV, "0") or 0)
     if limit > 0 and not glob.glob("/dev/nvidia*"):
         try:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
         except (ValueError, OSError):
             pass
 
@@ -168,14 +175,30 @@ def _line(err: BaseException, name: str) -> Optional[int]:
     return line
 
 
-def _failure(err: BaseException, missing: List[str], name: str) -> Reply:
+def out_of_memory(err: BaseException) -> bool:
+    """A ``MemoryError``, or torch's failed allocation (a ``RuntimeError`` of its allocator)."""
+    text = str(err)[:1000] if isinstance(err, RuntimeError) else ""
+    return isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError" or (
+        "can't allocate memory" in text or "CPUAllocator" in text)
+
+
+def _failure(err: BaseException, missing: List[str], name: str, source: str = "") -> Reply:
     """The verdict of a failed check. Only an ``AssertionError`` keeps its message (the
     instructor's words); any other exception is named with its line of the graded cell:
-    its text may quote the learner's data."""
+    its text may quote the learner's data. A failure on a hidden line of ``source`` (the
+    judge part) says which hidden check failed, never its line or values (:mod:`.hidden`).
+    A check out of memory is the grader's ``JudgeError`` (:data:`MEMORY_MESSAGE`): the
+    judge is then started afresh."""
+    if out_of_memory(err):
+        return Reply(False, "JudgeError", MEMORY_MESSAGE)
     kind, line = type(err).__name__, _line(err, name)
     if isinstance(err, NameError) and getattr(err, "name", None) in missing:
         return Reply(False, kind, f"`{err.name}`, which the probe computes from your code, "
                                   f"is not {PLAIN}: the grader could not read it", line)
+    frames = traceback.extract_tb(err.__traceback__)
+    secret = hidden.failure(source, kind, line, bool(frames) and frames[-1].filename == name)
+    if secret is not None:
+        return Reply(False, secret[0], secret[1], None)
     if isinstance(err, AssertionError):
         return Reply(False, kind, str(err)[:VERDICT_LIMIT], line)
     return Reply(False, kind, "", line)
@@ -226,7 +249,7 @@ def judge_answer(ns: dict, req: Judge) -> Reply:
         _run(req.source, ns, name)
         return Reply(True)
     except BaseException as err:  # the verdict: any exception fails the check
-        return _failure(err, missing, name)
+        return _failure(err, missing, name, req.source)
 
 
 def serve(pipe, base: dict) -> int:
@@ -254,7 +277,7 @@ def serve(pipe, base: dict) -> int:
             else:
                 pipe.send(Reply(False, "JudgeError", f"unknown request {type(req).__name__}"))
         except BaseException as err:
-            pipe.send(Reply(False, "JudgeError",
+            pipe.send(Reply(False, "JudgeError", MEMORY_MESSAGE if out_of_memory(err) else
                             f"{type(req).__name__}: {type(err).__name__}: {err}"[:VERDICT_LIMIT]))
     return 0
 
@@ -286,7 +309,7 @@ class JudgeClient:
         if reply is None:
             alive = self.alive() and not self.channel.ended
             self.close()
-            raise JudgeError(f"the judge gave no answer to {what} within {self.timeout:g} s"
+            raise JudgeError(f"the check ran past its time limit ({self.timeout:g} s) in {what}"
                              if alive else f"the judge process died during {what}")
         if reply.error == "JudgeError":
             raise JudgeError(reply.message)

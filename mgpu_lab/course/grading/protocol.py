@@ -11,7 +11,8 @@ The runner's conversation, per submission::
     grader -> runner   Header          the notebook (graded cells left out), limits
     runner -> grader   Need(i)         graded cell i is next
     grader -> runner   Probe           its probe and the check's inputs (plain data)
-    runner -> grader   Answer(i)       the names the probe bound, as plain data
+    runner -> grader   Answer(i)       the names the probe bound, as plain data, saved at
+                                       its end; the learner's threads running then
     ...
     runner -> grader   Results         every cell's outcome, the guard's findings
 
@@ -82,6 +83,8 @@ class Answer:
     index: int
     names: Dict[str, str]          # name -> torch.save bytes, base64
     missing: List[str]             # bound names that could not be sent
+    running: int = 0               # the learner's threads still running when the probe ended
+    threads: List[str] = field(default_factory=list)   # a few of their names, cleaned
 
 
 @dataclass

@@ -7,10 +7,12 @@ submission with every graded cell's source left out, the limits, the "must not c
 lists). Before each graded cell the runner sends ``Need``; the grader answers with a
 ``Probe``: the cell's probe part (:mod:`mgpu_lab.course.notebook.graded_cell`) and the check's
 inputs as plain data, which the runner loads into the kernel's namespace before the
-probe runs. After it, the runner saves the names the probe bound (``torch.save`` in
-the kernel) and sends them back in an ``Answer``: the grader's judge process reads
-them as plain data and decides. The sandbox never holds a judge, the instructor's
-notebook, or a graded cell before its turn. At the end: ``Results``. The kernel (a
+probe runs. The probe ends by saving the names it bound (:mod:`.snapshot`, a line the
+runner appends: in the probe's own execution, so that nothing the learner's code does
+later changes them); the runner sends them back in an ``Answer``, with the learner's
+threads still running then: the grader's judge process reads them as plain data and
+decides. The sandbox never holds a judge, the instructor's notebook, or a graded cell
+before its turn. At the end: ``Results``. The kernel (a
 child of the runner, or forked warm into its sandbox when the header says ``warm``:
 :mod:`.warm_kernel`) has neither end of the pipe; a cold one's output goes to stderr, a
 warm one's to ``/dev/null``.
@@ -18,12 +20,13 @@ warm one's to ``/dev/null``.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import sys
 import tempfile
 
-from . import guard
+from . import guard, snapshot
 from .protocol import (ANSWER_LIMIT, Answer, KernelStarted, Need, Outcome, Results, StartKernel,
                        child_pipe)
 
@@ -31,6 +34,7 @@ MESSAGE_LIMIT = 2000
 # Run silently in the kernel around a graded cell (no names left behind).
 LOAD = """def _mgpu_lab_io(ship, drop):
     import torch
+    __import__("mgpu_lab.course.grading.snapshot")   # imported before the probe ends
     ns = get_ipython().user_ns
     for name in drop:
         ns.pop(name, None)
@@ -38,19 +42,6 @@ LOAD = """def _mgpu_lab_io(ship, drop):
         ns[name] = torch.load(path, weights_only=True)
 try:
     _mgpu_lab_io({ship!r}, {drop!r})
-finally:
-    del _mgpu_lab_io"""
-SAVE = """def _mgpu_lab_io(names, folder):
-    import os, torch
-    ns = get_ipython().user_ns
-    for name in names:
-        if name in ns:
-            try:
-                torch.save(ns[name], os.path.join(folder, name + ".pt"))
-            except Exception:
-                pass
-try:
-    _mgpu_lab_io({names!r}, {folder!r})
 finally:
     del _mgpu_lab_io"""
 WAIT_CHILDREN = """import os as _os
@@ -95,6 +86,19 @@ def _reap(kernel_pid) -> int:
     return killed
 
 
+def _threads(path):
+    """``(count, names)`` of the threads the snapshot saw running (the kernel wrote the file:
+    bounded and cleaned again here)."""
+    try:
+        with open(path) as f:
+            data = json.loads(f.read(4096))
+        running = min(max(int(data["running"]), 0), 10**6)
+        names = [snapshot.clean_name(n) for n in list(data["names"])[:snapshot.NAMES_SHOWN]]
+        return running, names
+    except Exception:
+        return 0, []
+
+
 def _kernel_pid(client):
     km = client.km
     for owner in (getattr(km, "provisioner", None), getattr(km, "kernel", None)):
@@ -127,7 +131,14 @@ def main() -> int:
             return
         pipe.send(Need(index))
         probe = pipe.receive()
-        cell.source, collect[index] = probe.source, probe.collect
+        folder = os.path.join(io_dir, f"{index}-out")
+        os.makedirs(folder, exist_ok=True)
+        collect[index] = probe.collect
+        # Line 1 of a probe is blank (an input's line, or the marker's): IPython drops
+        # leading blank lines, which would shift every line a traceback names.
+        source = "# the check's probe" + probe.source if probe.source.startswith("\n") else probe.source
+        cell.source = source + snapshot.LINE.format(names=probe.collect, folder=folder,
+                                                    limit=ANSWER_LIMIT)
         ship = {}
         for name, data in probe.ship.items():
             ship[name] = os.path.join(io_dir, f"{index}-in-{name}.pt")
@@ -152,13 +163,11 @@ def main() -> int:
             if seen:
                 violations[index] = seen
         if index in graded and result.error is None:
-            pipe.send(await _answer(client, index, collect[index]))
+            pipe.send(_answer(index, collect[index]))
 
-    async def _answer(client, index, names):
+    def _answer(index, names):
         """The probe's names as plain-data bytes (base64); the rest listed as missing."""
         folder = os.path.join(io_dir, f"{index}-out")
-        os.makedirs(folder, exist_ok=True)
-        await silent(client, SAVE.format(names=names, folder=folder), wait=60.0)
         answer, missing, total = {}, [], 0
         for name in names:
             path = os.path.join(folder, name + ".pt")
@@ -169,7 +178,8 @@ def main() -> int:
             total += size
             with open(path, "rb") as f:
                 answer[name] = base64.b64encode(f.read()).decode("ascii")
-        return Answer(index, answer, missing)
+        running, names = _threads(os.path.join(folder, snapshot.THREADS_FILE))
+        return Answer(index, answer, missing, running, names)
 
     def start_kernel(argv, env, cwd):
         """The grader's warm kernel (:mod:`.warm_kernel`): its pid, or None."""

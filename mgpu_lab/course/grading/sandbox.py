@@ -90,7 +90,7 @@ def run_as_user(user: str) -> Tuple[int, int, str]:
     return entry.pw_uid, entry.pw_gid, entry.pw_name
 
 
-def _cgroup_kind() -> Optional[str]:
+def cgroup_kind() -> Optional[str]:
     """'v2' or 'v1' when we may create cgroups with memory and pids limits, else None."""
     if os.geteuid() != 0:
         return None
@@ -120,7 +120,7 @@ def probe(hidden: List[Path] = ()) -> Sandbox:
                               "are user namespaces enabled?)")
     help_text = subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
     options = [o for o in NEWER_OPTIONS if o in help_text]
-    return Sandbox(True, bwrap=exe, cgroup=_cgroup_kind(), hidden=[str(h) for h in hidden],
+    return Sandbox(True, bwrap=exe, cgroup=cgroup_kind(), hidden=[str(h) for h in hidden],
                    options=options)
 
 
@@ -192,26 +192,59 @@ def command(box: Sandbox, argv: List[str], limits: Limits, package_dir: Path,
     return args + ["--", *argv], cleanup
 
 
-def _make_cgroup(kind: str, limits: Limits):
-    """Create cgroup(s) with the limits; return (cgroup.procs files, folders to remove)."""
-    name = f"mgpu-lab-grade-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+def _make_cgroup(kind: str, limits: Limits, what: str = "grade", pids: bool = True):
+    """Create cgroup(s) with the limits (memory, and processes when ``pids``); return
+    (cgroup.procs files, folders to remove), or None."""
+    name = f"mgpu-lab-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     memory = str(int(limits.memory_gib * 2**30))
+    made = []
     try:
         if kind == "v2":
             d = CGROUP_V2 / name
             d.mkdir()
+            made.append(d)
             (d / "memory.max").write_text(memory)
             (d / "memory.swap.max").write_text("0") if (d / "memory.swap.max").exists() else None
-            (d / "pids.max").write_text(str(limits.processes))
+            if pids:
+                (d / "pids.max").write_text(str(limits.processes))
             return [str(d / "cgroup.procs")], [d]
-        mem, pids = CGROUP_V1 / "memory" / name, CGROUP_V1 / "pids" / name
+        mem = CGROUP_V1 / "memory" / name
         mem.mkdir()
-        pids.mkdir()
+        made.append(mem)
         (mem / "memory.limit_in_bytes").write_text(memory)
-        (pids / "pids.max").write_text(str(limits.processes))
-        return [str(mem / "cgroup.procs"), str(pids / "cgroup.procs")], [mem, pids]
+        if not pids:
+            return [str(mem / "cgroup.procs")], [mem]
+        count = CGROUP_V1 / "pids" / name
+        count.mkdir()
+        made.append(count)
+        (count / "pids.max").write_text(str(limits.processes))
+        return [str(mem / "cgroup.procs"), str(count / "cgroup.procs")], [mem, count]
     except OSError:
+        remove_cgroups(made)
         return None
+
+
+def memory_cgroup(kind: Optional[str], memory_gib: float):
+    """A cgroup of ``memory_gib`` for processes outside the sandbox (a judge and what it
+    starts): ``(cgroup.procs files, folders to remove)``, or None where none can be made."""
+    return _make_cgroup(kind, Limits(memory_gib=memory_gib), "judge", pids=False) if kind else None
+
+
+def oom_kills(folders) -> int:
+    """Processes the kernel's OOM killer ended in these cgroups so far (v2's ``memory.events``,
+    v1's ``memory.oom_control``; 0 where neither counts them, before Linux 4.13)."""
+    total = 0
+    for d in folders:
+        for name, key in (("memory.events", "oom_kill"), ("memory.oom_control", "oom_kill")):
+            try:
+                text = (Path(d) / name).read_text()
+            except OSError:
+                continue
+            found = [line.split()[1] for line in text.splitlines() if line.split()[:1] == [key]]
+            if found:
+                total += int(found[0])
+                break
+    return total
 
 
 def remove_cgroups(folders, wait: float = 10.0) -> None:

@@ -34,6 +34,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
+RAISED_HIDDEN = "raised in a hidden check of this cell"    # :data:`.hidden.RAISED`
 PRECEDENCE = ("Tampering", "ForbiddenCall", "kernel error", "verdict")
 
 
@@ -155,13 +156,15 @@ def exception_name(name: Optional[str]) -> str:
 
 
 def kernel_error(error: str, message: str, frames: Iterable, cells: Dict[int, Tuple[int, int]],
-                 graded: Tuple[int, int], probe_names: Iterable[str]) -> Tuple[str, str]:
+                 graded: Tuple[int, int], probe_names: Iterable[str],
+                 hidden: Iterable[int] = ()) -> Tuple[str, str]:
     """``(error, message)`` a report may show for a failure in the kernel.
 
     ``frames``: the traceback's (cell index, line), outermost first; ``cells``: the
     learner's cells, ``{cell index: (index in the learner's notebook, lines)}``;
     ``graded``: the graded cell's ``(index, lines)``; ``probe_names``: the names its
-    probe reads (a ``NameError`` for one of them keeps its standard message).
+    probe reads (a ``NameError`` for one of them keeps its standard message); ``hidden``:
+    the graded cell's hidden lines (a failure there is not placed by its line).
     """
     if error in OURS:
         return error, OURS[error]
@@ -178,7 +181,9 @@ def kernel_error(error: str, message: str, frames: Iterable, cells: Dict[int, Tu
     missing = _NOT_DEFINED.match(message or "")
     if where == "probe" and name == "NameError" and missing and missing.group(1) in set(probe_names):
         what.append(f"name '{missing.group(1)}' is not defined")
-    if where == "probe":
+    if where == "probe" and line in set(hidden):
+        what.append("raised in a hidden part of the check's probe")
+    elif where == "probe":
         what.append(f"raised in the check's probe, line {line}")
     elif where is not None:
         what.append(f"raised at line {line} of cell {where} (your code)")
@@ -207,9 +212,11 @@ def verdict_text(error: Optional[str], message: str, line: Optional[int]) -> Tup
     if error is None:
         return None, ""
     if error == "AssertionError":
-        where = f"check line {line}" if line else "the check"
-        return error, f"{message} ({where})" if message else f"{where} failed"
+        if not line:                  # a hidden check's words (:mod:`.hidden`), or none
+            return error, message or "the check failed"
+        return error, f"{message} (check line {line})" if message else f"check line {line} failed"
     if error in ("JudgeError", "Settled", "WrongCases") or (
             error == "NameError" and (message or "").startswith("`")):
         return error, message or ""
-    return exception_name(error), (f"raised by the check, line {line}" if line else "")
+    return exception_name(error), (f"raised by the check, line {line}" if line else
+                                   message if message == RAISED_HIDDEN else "")

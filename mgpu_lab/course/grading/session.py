@@ -7,6 +7,8 @@
   which environment and working folder;
 - :class:`Judges`: the judge process for this notebook, started again (its setup
   cells re-run) when a step of it fails, which is the grader's failure, not the learner's;
+  bounded as the sandbox is: a cgroup of ``--memory`` where one can be made (else
+  ``RLIMIT_DATA`` per process, :func:`.judge.limit_memory`), and ``--timeout`` per check;
 - :func:`converse`: the protocol loop: a ``Need`` gets the probe and the check's inputs
   (or an empty probe for a cell already scored 0), an ``Answer`` gets its verdict, and
   ``Results`` ends it.
@@ -29,14 +31,14 @@ from ..notebook import graded_cell
 from ..notebook.cells import given_sources, graded_cells, setup_sources
 from .cases import cases_of
 from .guard import forbidden_of
-from .judge import MEMORY_ENV, JudgeError, JudgeProcess
+from .judge import MEMORY_ENV, MEMORY_MESSAGE, JudgeError, JudgeProcess
 from .protocol import (RUNNER_COMMAND, Answer, Channel, Header, KernelStarted, Need, Outcome,
                        Probe, Results, StartKernel)
-from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
+from .sandbox import (WORK, Limits, Sandbox, cgroup_kind, command, memory_cgroup, oom_kills,
+                      remove_cgroups)
 from .submission import Prepared
 
-JUDGE_TIMEOUT = 300.0   # seconds for each step of the judge process, at least
-JUDGE_EXTRA_GIB = 4.0   # address space torch, its threads and a launch() map beyond the data
+JUDGE_TIMEOUT = 300.0   # seconds for the judge's setup (imports, setup cells), at least
 SETTLED = Probe("# scored 0 before it ran: see the report", {}, [], [])
 
 
@@ -53,6 +55,7 @@ class RunOutcome:
     results: Dict[int, Outcome] = field(default_factory=dict)     # by cell index
     violations: Dict[int, List[str]] = field(default_factory=dict)
     verdicts: Dict[int, Verdict] = field(default_factory=dict)
+    threads: Dict[int, tuple] = field(default_factory=dict)      # (running, names) at probe end
 
 
 def package_dir() -> Path:
@@ -93,51 +96,76 @@ def runner_command(box: Sandbox, limits: Limits, scratch: str):
 
 
 def judge_environment(home: str, memory_gib: float = Limits.memory_gib) -> dict:
-    """The judge runs the instructor's code only: the grader's own environment, and an
-    address-space limit of the sandbox's memory plus what torch maps (:mod:`.judge`)."""
+    """The judge runs the instructor's code only: the grader's own environment, and the
+    sandbox's memory as its data limit (:mod:`.judge`)."""
     path = [str(package_dir().parent)] + ([os.environ["PYTHONPATH"]]
                                           if os.environ.get("PYTHONPATH") else [])
     env = dict(os.environ, MPLBACKEND="Agg", HOME=home, MPLCONFIGDIR=os.path.join(home, ".mpl"),
                PYTHONPATH=os.pathsep.join(path))
     env.setdefault("OMP_NUM_THREADS", "1")
-    env[MEMORY_ENV] = str(int((memory_gib + JUDGE_EXTRA_GIB) * 2**30))
+    env[MEMORY_ENV] = str(int(memory_gib * 2**30))
     return env
 
 
 class Judges:
     """The notebook's judge (a fork of its lab's zygote when a :class:`JudgePool` is
     given, else a process of its own); a failed step ends it and the next step gets a
-    fresh one, set up again."""
+    fresh one, set up again.
+
+    Its bounds are the sandbox's, whatever a check computes from the learner's data: each
+    judge joins a cgroup of ``memory_gib`` (``cgroup``: the sandbox's kind; a judge the
+    kernel's OOM killer ends costs the check it ran, :data:`.judge.MEMORY_MESSAGE`); each
+    check (inputs, verdict) has ``timeout`` seconds, the grader's ``--timeout``; only the
+    setup (an import of torch, the lab's setup cells) has :data:`JUDGE_TIMEOUT` at least."""
 
     def __init__(self, setup: List[str], home: str, timeout: float, pool=None,
-                 memory_gib: float = Limits.memory_gib):
+                 memory_gib: float = Limits.memory_gib, cgroup: Optional[str] = None):
         self.setup_cells, self.home, self.pool, self.memory = setup, home, pool, memory_gib
-        # The judge runs our code, not the learner's: its steps (an import of torch, a
-        # reference training run) get their own limit, not the learner's per-cell one.
-        self.timeout = max(timeout, JUDGE_TIMEOUT)
+        self.timeout, self.setup_timeout = timeout, max(timeout, JUDGE_TIMEOUT)
+        self.cgroup = memory_cgroup(cgroup, memory_gib)
         self.judge = self._new()
 
     def _new(self):
         if self.pool is not None:
-            return self.pool.judge(self.setup_cells, self.home)   # set up already
-        return JudgeProcess(judge_environment(self.home, self.memory), self.home, self.timeout)
+            judge = self.pool.judge(self.setup_cells, self.home)   # set up already
+        else:
+            judge = JudgeProcess(judge_environment(self.home, self.memory), self.home,
+                                 self.setup_timeout)
+        pid = getattr(judge, "pid", None) or getattr(getattr(judge, "proc", None), "pid", None)
+        for procs in (self.cgroup[0] if self.cgroup and pid else []):
+            try:
+                with open(procs, "w") as f:
+                    f.write(str(pid))
+            except OSError:
+                pass
+        return judge
 
     def setup(self) -> None:
         if self.pool is None:
             self.judge.setup(self.setup_cells)
+        self.judge.timeout = self.timeout           # each check: the grader's --timeout
 
     def ask(self, step: str, *args):
-        """``judge.step(*args)``; on :class:`JudgeError` a fresh judge, and the error raised."""
+        """``judge.step(*args)``; on :class:`JudgeError` (or a process of the judge's ended
+        for memory) a fresh judge, and the error raised."""
+        killed = oom_kills(self.cgroup[1]) if self.cgroup else 0
         try:
-            return getattr(self.judge, step)(*args)
-        except JudgeError:
+            reply = getattr(self.judge, step)(*args)
+            if self.cgroup and oom_kills(self.cgroup[1]) > killed:
+                raise JudgeError(MEMORY_MESSAGE)      # a rank of its launch(), say
+            return reply
+        except JudgeError as err:
             self.judge.close()
             self.judge = self._new()
             self.setup()
-            raise
+            if self.cgroup and oom_kills(self.cgroup[1]) > killed:
+                raise JudgeError(MEMORY_MESSAGE) from None
+            raise err
 
     def close(self) -> None:
         self.judge.close()
+        if self.cgroup:
+            remove_cgroups(self.cgroup[1])
 
 
 def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
@@ -170,6 +198,8 @@ def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
             i = msg.index
             if i in out.verdicts:
                 continue
+            if msg.running:
+                out.threads[i] = (msg.running, msg.threads)
             try:
                 if capture is not None:
                     capture[prepared.graded[i]] = msg
@@ -223,7 +253,8 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
         try:
             channel = Channel(proc.stdin, proc.stdout)
             channel.send(header)
-            judges = Judges(setup_sources(instructor), home, timeout, pool, limits.memory_gib)
+            judges = Judges(setup_sources(instructor), home, timeout, pool, limits.memory_gib,
+                            box.cgroup if box.available else cgroup_kind())
             judges.setup()                                      # while the kernel starts
             deadline = monotonic() + (total_timeout or 24 * 3600) + 60
             return converse(channel, judges, prepared, parts, settled, deadline, tail, start_kernel,
