@@ -44,6 +44,7 @@ from ..notebook.cells import (exercise_of, given_statements, graded_cells, lab_i
                               nbgrader_meta, observed_of, parse)
 from ..notebook.exercises import lab_version, submitted_version, syntax_error, titles, untouched
 from .guard import called_in, forbidden_of, notebook_violations
+from .kernel import OOM_MESSAGE
 from .sandbox import Limits, Sandbox
 from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
                       verdict_text)
@@ -243,12 +244,16 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
         probe = graded_cell.split(cell.source).probe
         found.error, found.message = kernel_error(
             result.error, result.message, result.frames, _learners_cells(prepared),
-            (index, cell.source.count("\n") + 1), _names_read(probe))
+            (index, cell.source.count("\n") + 1), _names_read(probe), run.memory_mib)
     verdict = run.verdicts.get(index) if run is not None else None
     if verdict is not None:
         found.judged = True
         found.verdict, found.verdict_message = verdict_text(verdict.error, verdict.message,
                                                             verdict.line)
+        if found.verdict and result is not None and not result.error and result.message == OOM_MESSAGE:
+            # a process the probe started (a rank, a script) was killed for memory: say so
+            found.error, found.message = kernel_error("OutOfMemory", "", [], {}, (index, 0), (),
+                                                      run.memory_mib)
     return found
 
 

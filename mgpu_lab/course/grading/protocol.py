@@ -62,6 +62,7 @@ class Header:
     graded: Dict[int, List[str]]   # graded cell index -> what it must not call
     limited: bool = False          # no sandbox, another user: still set the rlimits
     warm: bool = False             # ask the grader for the kernel (``StartKernel``) first
+    oom_files: List[str] = field(default_factory=list)  # the sandbox's cgroup's OOM-kill counter
 
 
 @dataclass

@@ -31,7 +31,8 @@ from .guard import forbidden_of
 from .judge import MEMORY_ENV, JudgeError, JudgeProcess
 from .protocol import (RUNNER_COMMAND, Answer, Channel, Header, KernelStarted, Need, Outcome,
                        Probe, Results, StartKernel)
-from .sandbox import WORK, Limits, Sandbox, command, remove_cgroups
+from .sandbox import (WORK, Limits, Sandbox, command, memory_limit_mib, oom_file,
+                      own_memory_cgroup, remove_cgroups)
 from .submission import Prepared
 
 JUDGE_TIMEOUT = 300.0   # seconds for each step of the judge process, at least
@@ -52,6 +53,7 @@ class RunOutcome:
     results: Dict[int, Outcome] = field(default_factory=dict)     # by cell index
     violations: Dict[int, List[str]] = field(default_factory=dict)
     verdicts: Dict[int, Verdict] = field(default_factory=dict)
+    memory_mib: Optional[int] = None   # the memory limit over the kernel (a cgroup's), MiB
 
 
 def package_dir() -> Path:
@@ -94,8 +96,12 @@ def runner_command(box: Sandbox, limits: Limits, scratch: str):
 def judge_environment(home: str, memory_gib: float = Limits.memory_gib) -> dict:
     """The judge runs the instructor's code only: the grader's own environment, and an
     address-space limit of the sandbox's memory plus what torch maps (:mod:`.judge`)."""
-    path = [str(package_dir().parent)] + ([os.environ["PYTHONPATH"]]
-                                          if os.environ.get("PYTHONPATH") else [])
+    # The package's folder once: a PYTHONPATH that names it too (a checkout's) would make
+    # the judges' path differ from the sandbox's, and they would not be forks of the warm
+    # zygote (:mod:`.warm_kernel`), each importing torch again (about 100 MiB more).
+    here = str(package_dir().parent)
+    path = [here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                     if p and p != here]
     env = dict(os.environ, MPLBACKEND="Agg", HOME=home, MPLCONFIGDIR=os.path.join(home, ".mpl"),
                PYTHONPATH=os.pathsep.join(path))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -204,6 +210,9 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
             user=box.run_as[0], group=box.run_as[1], extra_groups=[])
         warm = pool.warm_kernels(env) if pool is not None and box.available else None
         header.warm = warm is not None
+        memory = next((d for d in cleanup if oom_file(d) is not None), None)
+        header.oom_files = [str(oom_file(memory))] if memory is not None else []
+        memory_mib = memory_limit_mib(memory or own_memory_cgroup())
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
                                 **user)
@@ -218,7 +227,9 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
             judges = Judges(setup_sources(instructor), home, timeout, pool, limits.memory_gib)
             judges.setup()                                      # while the kernel starts
             deadline = monotonic() + (total_timeout or 24 * 3600) + 60
-            return converse(channel, judges, prepared, parts, settled, deadline, tail, start_kernel)
+            out = converse(channel, judges, prepared, parts, settled, deadline, tail, start_kernel)
+            out.memory_mib = memory_mib
+            return out
         finally:
             if judges is not None:
                 judges.close()
