@@ -148,8 +148,10 @@ def measure(lab: str, args, out: Path) -> dict:
             "--jobs", "1", "--json", str(out), "--quiet"]
     if args.memory:
         argv += ["--memory", str(args.memory)]
-    if args.no_sandbox:
+    if args.no_sandbox or args.run_as:
         argv.append("--no-sandbox")
+    if args.run_as:
+        argv += ["--run-as", args.run_as]
     # This checkout's package, from the folder (``python -m`` in ROOT): a PYTHONPATH would
     # differ from the sandbox's, and the judges would not be forks of the warm zygote.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -203,6 +205,8 @@ def main() -> int:
     parser.add_argument("--memory", type=float, help="the grader's --memory, GiB")
     parser.add_argument("--no-sandbox", action="store_true", help="grade unsandboxed: a cold "
                         "kernel and judge, as on a platform without bubblewrap (its --run-as)")
+    parser.add_argument("--run-as", help="unsandboxed, the kernel run as this user, as on a "
+                        "platform without bubblewrap (this Python must be one it can run)")
     parser.add_argument("--json", help="write the rows here too")
     parser.add_argument("--detail", action="store_true", help="each process at the highest sample")
     args = parser.parse_args()
@@ -210,7 +214,8 @@ def main() -> int:
     if args.labs:
         labs = [lab for lab in labs if any(lab == a or lab[:2] == a.zfill(2) for a in args.labs)]
     print(f"limit {args.limit_mib or 'none'} MiB, cores {args.cores or 'all'}, "
-          f"--memory {args.memory or 'default'}{', unsandboxed' if args.no_sandbox else ''}")
+          f"--memory {args.memory or 'default'}{', unsandboxed' if args.no_sandbox else ''}"
+          f"{', kernel run as ' + args.run_as if args.run_as else ''}")
     head = " ".join(f"{r:>7}" for r in ROLES)
     print(f"{'lab':<26} {'peak':>6} {'unrecl':>6} {head} {'oom':>3} {'score':>7} {'wall s':>6}")
     rows = []

@@ -105,7 +105,8 @@ class Results:
 class StartKernel:
     """Runner -> grader: start my kernel (``pid``: the runner's, in its sandbox). Grader ->
     warm zygote (:mod:`.warm_kernel`): the same, ``pid`` the runner's as the grader sees
-    it, with the sandbox's limits and cgroup files."""
+    it, with the sandbox's limits and cgroup files; or, with ``user`` (``[uid, gid]``: no
+    sandbox, the kernel run as another user), as that user, beside the runner."""
     argv: List[str]
     env: Dict[str, str]
     cwd: str
@@ -113,6 +114,7 @@ class StartKernel:
     limits: dict = field(default_factory=dict)
     cgroup: bool = False
     cgroups: List[str] = field(default_factory=list)
+    user: List[int] = field(default_factory=list)
 
 
 @dataclass

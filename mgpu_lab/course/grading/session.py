@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -82,8 +83,9 @@ def runner_command(box: Sandbox, limits: Limits, scratch: str):
     os.makedirs(cwd)
     env = dict(os.environ, **{k: v for k, v in env.items() if k not in ("TMPDIR", "HOME")},
                HOME=cwd)
-    if os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
+    if os.environ.get("PYTHONPATH"):   # as the judges' (:func:`judge_environment`)
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"]] + [
+            p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p and p != env["PYTHONPATH"]])
     for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
         env[k] = os.path.join(cwd, "." + k.lower())
     if box.run_as:                 # its own folder; the judge's stays the grader's
@@ -208,16 +210,27 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
         os.makedirs(home, mode=0o700)
         user = {} if box.available or not box.run_as else dict(
             user=box.run_as[0], group=box.run_as[1], extra_groups=[])
-        warm = pool.warm_kernels(env) if pool is not None and box.available else None
+        # Warm kernels: in the sandbox, or (no sandbox) as the --run-as user (a platform's
+        # container without bubblewrap), where each cold kernel and judge would import torch
+        # again: about 250 MiB more in Gradescope's 768 MiB.
+        as_user = None if box.available else box.run_as
+        warm = (pool.warm_kernels(env) if pool is not None and (box.available or as_user)
+                else None)
         header.warm = warm is not None
+        started: List[int] = []
         memory = next((d for d in cleanup if oom_file(d) is not None), None)
         header.oom_files = [str(oom_file(memory))] if memory is not None else []
         memory_mib = memory_limit_mib(memory or own_memory_cgroup())
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
                                 **user)
-        start_kernel = None if warm is None else lambda msg: warm.start(
-            msg, proc.pid, asdict(limits), bool(box.cgroup), [str(d / "cgroup.procs") for d in cleanup])
+        def start_kernel(msg):
+            reply = warm.start(msg, proc.pid, asdict(limits), bool(box.cgroup),
+                               [str(d / "cgroup.procs") for d in cleanup],
+                               as_user[:2] if as_user else None)
+            if as_user and reply.pid is not None:
+                started.append(reply.pid)      # no PID namespace ends it with the runner
+            return reply
         tail: list = []
         threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
         judges = None
@@ -227,7 +240,8 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
             judges = Judges(setup_sources(instructor), home, timeout, pool, limits.memory_gib)
             judges.setup()                                      # while the kernel starts
             deadline = monotonic() + (total_timeout or 24 * 3600) + 60
-            out = converse(channel, judges, prepared, parts, settled, deadline, tail, start_kernel)
+            out = converse(channel, judges, prepared, parts, settled, deadline, tail,
+                           start_kernel if warm is not None else None)
             out.memory_mib = memory_mib
             return out
         finally:
@@ -236,6 +250,11 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+            for pid in started:                 # a warm kernel as --run-as's user, its ranks
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             remove_cgroups(cleanup)
 
 
