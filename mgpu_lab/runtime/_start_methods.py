@@ -2,10 +2,7 @@
 and tells them where to meet.
 
 * ``fork``: a copy of this process, in milliseconds; ``fn`` and ``args`` are
-  inherited, so anything works. Unsafe once CUDA was touched here. The parent's
-  objects are frozen for the forks (``gc.freeze``, unless something froze them
-  already): a collection in a rank would otherwise write to every object's header and
-  copy the pages that hold them (torch's alone: about 75 MiB per rank).
+  inherited, so anything works. Unsafe once CUDA was touched here.
 * ``forkserver``: fresh processes copied from a server that imported torch once
   (seconds for the first launch, a fraction of a second after).
 * ``spawn``: a new interpreter per rank, every time (seconds each).
@@ -14,7 +11,6 @@ For the last two, ``fn`` and ``args`` travel as cloudpickle bytes (by value).
 """
 from __future__ import annotations
 
-import gc
 import importlib
 import importlib.machinery
 import io
@@ -144,23 +140,16 @@ def start_ranks(method, job, nprocs, backend, timeout, workdir, procs: list) -> 
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # torch imported once, in the server
-    freeze = method == "fork" and gc.get_freeze_count() == 0
-    if freeze:
-        gc.freeze()
     ports = []
-    try:
-        for rank in range(nprocs):
-            port_in, port_out = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_rank, args=(job, rank, nprocs, port_in, backend, timeout,
-                                                      workdir, dict(os.environ)),
-                               name=f"mgpu_lab-rank{rank}")
-            proc.start()
-            procs.append(proc)
-            ports.append(port_out)
-            port_in.close()
-    finally:
-        if freeze:
-            gc.unfreeze()
+    for rank in range(nprocs):
+        port_in, port_out = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=run_rank, args=(job, rank, nprocs, port_in, backend, timeout, workdir,
+                                                  dict(os.environ)),
+                           name=f"mgpu_lab-rank{rank}")
+        proc.start()
+        procs.append(proc)
+        ports.append(port_out)
+        port_in.close()
     return ports
 
 
