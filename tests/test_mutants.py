@@ -29,9 +29,10 @@ the CPU they leave, and the tests here run last, when it is done. Under pytest-x
 the mutation run, each selected lab's solution is graded alone (``mgpu-lab grade --jobs 1``)
 inside a memory cgroup of :data:`MEMORY_MIB` (768 MiB, no swap; a lab the export says needs
 more, what it says: :func:`limit_mib`) that holds the whole run: grader, judge, warm zygote,
-runner, kernel and its ranks (:class:`MemoryRun`); no process may be killed for memory. Where no cgroup can be made (not root, no bubblewrap) this is
-skipped, saying why, unless ``MGPU_LAB_MUTANTS_SOLUTION=1`` (the author's loop, ``mgpu-lab
-labs check NN``): then the solution is still graded, without the limit.
+runner, kernel and its ranks (:class:`MemoryRun`); no process may be killed for memory.
+Where no cgroup can be made (not root, no bubblewrap) this is skipped, saying why, unless
+``MGPU_LAB_MUTANTS_SOLUTION=1`` (the author's loop, ``mgpu-lab labs check NN``): then the
+solution is still graded, without the limit.
 """
 import json
 import os

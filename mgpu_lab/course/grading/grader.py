@@ -250,10 +250,10 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
         found.judged = True
         found.verdict, found.verdict_message = verdict_text(verdict.error, verdict.message,
                                                             verdict.line)
-        if found.verdict and result is not None and not result.error and result.message == OOM_MESSAGE:
-            # a process the probe started (a rank, a script) was killed for memory: say so
-            found.error, found.message = kernel_error("OutOfMemory", "", [], {}, (index, 0), (),
-                                                      run.memory_mib)
+        killed = result is not None and not result.error and result.message == OOM_MESSAGE
+        if found.verdict and killed:   # a process the probe started (a rank, a script) was
+            found.error, found.message = kernel_error(     # killed for memory: say so
+                "OutOfMemory", "", [], {}, (index, 0), (), run.memory_mib)
     return found
 
 

@@ -252,7 +252,8 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
             proc.wait()
             for pid in started:                 # a warm kernel as --run-as's user, its ranks
                 try:
-                    os.killpg(pid, signal.SIGKILL)
+                    if os.stat(f"/proc/{pid}").st_uid == as_user[0]:   # not a pid reused
+                        os.killpg(pid, signal.SIGKILL)
                 except OSError:
                     pass
             remove_cgroups(cleanup)

@@ -33,12 +33,12 @@ platform's container without bubblewrap), the fork skips step 1 (nothing to join
 kernel runs beside the runner, which the grader's own cgroup, a container's, holds) and
 becomes that user (groups, gid, uid) in step 2; the grader ends it and its ranks (their
 process group) when the notebook ends. Each kernel and judge then shares the zygote's
-imports as in the sandbox: lab 13 graded as Gradescope runs it needs 633 MiB, not 875.
+imports as in the sandbox: lab 13 graded as Gradescope runs it needs 625 MiB, not 876.
 
-A cold kernel and a warm one see the same sandbox (``tests/test_warm_kernel.py``
-grades one notebook of checks both ways, and as the ``--run-as`` user). Where any step fails (no ``setns`` here, the
-zygote ended), the runner starts its kernel itself, as without a zygote: slower,
-never different.
+A cold kernel and a warm one see the same sandbox (``tests/test_warm_kernel.py`` grades one
+notebook of checks both ways, and as the ``--run-as`` user). Where any step fails (no
+``setns`` here, the zygote ended), the runner starts its kernel itself, as without a
+zygote: slower, never different.
 """
 from __future__ import annotations
 
