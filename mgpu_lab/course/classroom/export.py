@@ -271,7 +271,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--limit", type=float, default=600.0,
                    help="the platform's time limit per submission, seconds (600)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per cell (120)")
-    p.add_argument("--memory", type=float, help="GiB per notebook (default: half the "
+    p.add_argument("--memory", type=float, help="GiB per notebook's sandbox (default: the "
                    "container's memory, at most 8)")
     p.add_argument("--visibility", default="visible",
                    choices=["visible", "hidden", "after_due_date", "after_published"],
