@@ -222,14 +222,22 @@ def runs(tmp_path_factory, public):
                 python=python, tmp=tmp, grade=grade)
 
 
-def test_the_zip_holds_setup_run_autograder_and_solutions(tmp_path):
+def test_the_zip_holds_setup_run_autograder_and_solutions(tmp_path, capsys):
     assert cli(["export", "gradescope", "00", "06", "-o", str(tmp_path / "a.zip"),
                 "--root", str(ROOT), "--limit", "1200"]) == 0
+    said = capsys.readouterr().out
     with zipfile.ZipFile(tmp_path / "a.zip") as z:
         names = set(z.namelist())
         modes = {i.filename: i.external_attr >> 16 for i in z.infolist()}
         config = json.loads(z.read("mgpu_lab_config.json"))
         setup = z.read("setup.sh").decode()
+        run_autograder = z.read("run_autograder").decode()
+    # The export states the memory it needs: these labs fit Gradescope's default container.
+    fits = "every lab here grades within Gradescope's default 768 MiB"
+    assert fits in said and fits in run_autograder
+    from mgpu_lab.course.classroom.export import memory_line
+    assert memory_line(["00_setup", "03_ddp_and_launching"]).startswith(
+        "memory: give the autograder at least 1280 MiB")
     assert {"setup.sh", "run_autograder", "solutions/00_setup.ipynb",
             "solutions/06_gradient_accumulation.ipynb",
             "mgpu_lab_package/pyproject.toml", "mgpu_lab_package/mgpu_lab/course/classroom/platforms.py"} <= names

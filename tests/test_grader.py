@@ -291,6 +291,29 @@ def test_sandbox_fork_bomb_and_memory_hog_cost_that_exercise_only(graded):
     assert scores(graded[1]["hog"]) == {"add_test": (0, "MemoryError"), "mul_test": (3, None)}
 
 
+# Shared memory (a MAP_SHARED mapping) counts in the cgroup and not in RLIMIT_DATA: the
+# sandbox's cgroup limit, not the per-process rlimit (a MemoryError), is what stops it.
+OOM = ("import mmap\ndef add(a, b):\n    m = mmap.mmap(-1, 2**31)\n"
+       "    for i in range(0, len(m), 4096):\n        m[i] = 1\n    return a + b")
+
+
+@pytest.mark.skipif(not SANDBOX.cgroup, reason="no memory cgroup can be made here (not root, "
+                    "no bubblewrap, or no memory and pids controllers)")
+def test_a_kernel_killed_for_memory_says_out_of_memory_and_the_limit(tmp_path):
+    """A cell that fills the sandbox's memory (--memory 0.5) is killed by the OOM killer:
+    "OutOfMemory: out of memory (limit 512 MiB)", not "DeadKernel"; the next exercise,
+    in the restarted kernel, keeps its marks."""
+    write(toy(add=OOM), tmp_path / "class" / "oom.ipynb")
+    assert cli(["grade", str(tmp_path / "class"), "--solutions", str(DATA / "solutions"),
+                "--memory", "0.5", "--timeout", "60", "--quiet", "--json",
+                str(tmp_path / "g.json")]) == 0
+    nb = json.loads((tmp_path / "g.json").read_text())["notebooks"][0]
+    add = next(e for e in nb["exercises"] if e["grade_id"] == "add_test")
+    assert (add["score"], add["error"], add["message"]) == (
+        0, "OutOfMemory", "out of memory (limit 512 MiB)"), nb["exercises"]
+    assert scores(nb)["mul_test"] == (3, None)
+
+
 def test_lab00_solution_full_marks_and_lab_zero_in_the_sandbox(tmp_path, capsys):
     """The real lab 00, renamed: the solution scores full marks, the untouched lab 0."""
     shutil.copy(ROOT / "solutions" / "00_setup.ipynb", tmp_path / "teacher.ipynb")
@@ -761,6 +784,8 @@ def test_h3_what_a_report_may_say_about_a_kernel_error_without_kernels():
     assert kernel_error("LaunchError", "rank 1 failed\n  File x\nSecretError: 3 4", [(4, 1)],
                         cells, graded, set())[1].startswith("a rank raised Exception")
     assert kernel_error("ValueError", "x", [(2, 99), (7, 1)], cells, graded, set())[1] == ""
+    assert kernel_error("OutOfMemory", "learner's text", [], cells, graded, set(), memory_mib=512) == (
+        "OutOfMemory", "out of memory (limit 512 MiB)")
     assert verdict_text("TypeError", "got 'secret'", 5) == ("TypeError", "raised by the check, line 5")
     assert verdict_text("AssertionError", "off by one", 5) == ("AssertionError",
                                                               "off by one (check line 5)")

@@ -96,10 +96,10 @@ def test_the_judge_is_in_a_cgroup_of_the_sandboxs_memory_and_an_oom_kill_costs_o
                "            __import__('time').sleep(5)\n        finally:\n"
                "            os._exit(0)\n    kids.append(pid)\n"
                "assert all(os.waitpid(k, 0)[1] == 0 for k in kids), 'a child died'")
-        killed = sandbox.oom_kills(judges.cgroup[1])
+        killed = sandbox.cgroup_oom_kills(judges.cgroup[1])
         with pytest.raises(JudgeError, match="more memory"):
             judges.ask("verdict", "hog", hog, {}, [])
-        assert sandbox.oom_kills(judges.cgroup[1]) > killed
+        assert sandbox.cgroup_oom_kills(judges.cgroup[1]) > killed
         judges.ask("inputs", "next", "x = 1")
         assert judges.ask("verdict", "next", "assert x == 1, 'x'", {}, []).ok
         assert _limit_of(judges.judge.proc.pid) == int(0.75 * 2**30)

@@ -23,9 +23,16 @@ for learners, as a courtesy message (tests/test_grader.py checks it).
 The run is a child process (niced), started as soon as the session's tests are collected
 (tests/conftest.py calls :func:`start_beside`): it grades beside the other tests, taking
 the CPU they leave, and the tests here run last, when it is done. Under pytest-xdist
-(``./run.sh test``) the workers share one run (:data:`SHARED`). ``MGPU_LAB_MUTANTS_SOLUTION=1``
-also grades each selected lab's whole solution, which must score full marks (the
-author's loop, ``mgpu-lab labs check NN``, sets it).
+(``./run.sh test``) the workers share one run (:data:`SHARED`).
+
+**Each lab's whole solution** scores full marks in Gradescope's default container: beside
+the mutation run, each selected lab's solution is graded alone (``mgpu-lab grade --jobs 1``)
+inside a memory cgroup of :data:`MEMORY_MIB` (768 MiB, no swap; a lab the export says needs
+more, what it says: :func:`limit_mib`) that holds the whole run: grader, judge, warm zygote,
+runner, kernel and its ranks (:class:`MemoryRun`); no process may be killed for memory.
+Where no cgroup can be made (not root, no bubblewrap) this is skipped, saying why, unless
+``MGPU_LAB_MUTANTS_SOLUTION=1`` (the author's loop, ``mgpu-lab labs check NN``): then the
+solution is still graded, without the limit.
 """
 import json
 import os
@@ -43,6 +50,7 @@ import pytest
 from mgpu_lab.course.notebook.cells import exercise_of, graded_cells, nbgrader_meta
 from mgpu_lab.course.grading.guard import forbidden_of
 from mgpu_lab.course.notebook.notebooks import make_lab
+from mgpu_lab.course.classroom.export import GRADESCOPE_MIB, NEEDS_MIB
 from mgpu_lab.course.grading.sandbox import probe
 from conftest import ROOT, SUMMARY
 from mutants import KINDS, all_mutants
@@ -53,6 +61,8 @@ LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
 # cores), over pytest's default limit per test.
 MUTATION_RUN_TIMEOUT = 1200
 WITH_SOLUTION = os.environ.get("MGPU_LAB_MUTANTS_SOLUTION") == "1"
+MEMORY_MIB = GRADESCOPE_MIB    # Gradescope's default container: grader, judge and kernel together
+BOX = probe()
 NICE = 10
 NOT_A_KILL = {"JudgeError", "NotJudged", "NotRun", "GraderError", "Missing"}
 
@@ -125,18 +135,22 @@ def _mine(item) -> bool:
     return getattr(getattr(item, "module", None), "__name__", None) == __name__
 
 
+MEMORY_TEST = "test_each_solution_scores_full_marks_within_768_mib_for_grader_judge_and_kernel"
+
+
 def _selected_labs(items):
-    """The labs of the selected tests (``-k 00_setup`` grades lab 00 only); all of them
-    when the kill-rate test is selected."""
-    labs = set()
+    """``(labs, solutions)``: the labs of the selected mutation tests (``-k 00_setup``
+    grades lab 00 only; all of them when the kill-rate test is selected), and of the
+    selected solution tests (:data:`MEMORY_TEST`)."""
+    labs, solutions = set(), set()
     for item in items:
         if not _mine(item):
             continue
         if item.originalname == "test_kill_rate_is_100_percent":
-            return LABS
-        if "lab" in getattr(getattr(item, "callspec", None), "params", {}):
-            labs.add(item.callspec.params["lab"])
-    return sorted(labs)
+            labs.update(LABS)
+        elif "lab" in getattr(getattr(item, "callspec", None), "params", {}):
+            (solutions if item.originalname == MEMORY_TEST else labs).add(item.callspec.params["lab"])
+    return sorted(labs), sorted(solutions)
 
 
 def without_guard(folder: Path) -> Path:
@@ -152,8 +166,8 @@ def without_guard(folder: Path) -> Path:
 
 
 class MutationRun:
-    """``mgpu-lab grade --jobs 2`` over every round of the labs (and each solution,
-    :data:`WITH_SOLUTION`), in a child process, its files in ``folder``."""
+    """``mgpu-lab grade --jobs 2`` over every round of the labs, in a child process, its
+    files in ``folder``; each lab's solution beside it, alone (:class:`MemoryRun`)."""
 
     def __init__(self, labs, folder: Path):
         self.folder, self.plan, self.notebooks = folder, {}, {}
@@ -172,9 +186,6 @@ class MutationRun:
                         sources[ex] = new
                 self.plan[f"{lab}--round{r}"] = (lab, row)
                 self.notebooks[f"{lab}--round{r}"] = sources
-            if WITH_SOLUTION:
-                self.plan[f"{lab}--solution"] = (lab, {ex: None for ex in exercises(lab)})
-                self.notebooks[f"{lab}--solution"] = answers
         self.out = folder / "grades.json"
         self.log, self.rc, self.pid = (folder / n for n in ("log", "rc", "pid"))
         self.start = monotonic()
@@ -188,7 +199,7 @@ class MutationRun:
         args = [sys.executable, "-m", "mgpu_lab", "grade", str(klass), "--solutions",
                 str(without_guard(self.folder / "solutions")), "--json", str(self.out),
                 "--jobs", "2", "--quiet"]
-        if not probe().available:
+        if not BOX.available:
             args.append("--no-sandbox")
         # A daemon (its parent exits at once): the tests that check that they leave no
         # process behind do not see it. Niced: it takes the CPU the other tests leave
@@ -213,14 +224,91 @@ class MutationRun:
         return self.plan, graded, seconds
 
 
+class MemoryRun:
+    """Each lab's solution graded alone, one after the other, each in a memory cgroup of
+    :data:`MEMORY_MIB` holding the whole ``mgpu-lab grade`` (a child process beside the
+    mutation run, niced as it is); ``folder/memory/<lab>.json`` its grades and
+    ``<lab>.cgroup.json`` the cgroup's OOM kills and peak. None where no cgroup can be made
+    and :data:`WITH_SOLUTION` is not set."""
+
+    def __init__(self, labs, folder: Path):
+        self.folder, self.labs = folder / "memory", list(labs)
+        self.limited = bool(BOX.cgroup)
+        self.rc = self.folder / "rc"
+
+    def begin(self) -> None:
+        self.folder.mkdir()
+        for lab in self.labs:
+            answers = {nbgrader_meta(c)["grade_id"]: c.source for c in solution(lab).cells
+                       if nbgrader_meta(c).get("solution")}
+            nbformat.write(filled(lab, answers), self.folder / f"{lab}.ipynb")
+        grade = [sys.executable, "-m", "mgpu_lab", "grade", "--solutions", str(ROOT / "solutions"),
+                 "--jobs", "1", "--quiet"] + ([] if BOX.available else ["--no-sandbox"])
+        subprocess.run([sys.executable, "-c", DAEMON, str(self.folder / "log"), str(self.rc),
+                        str(self.folder / "pid"), str(NICE), sys.executable, "-c", MEMORY_DAEMON,
+                        json.dumps([str(self.folder), self.labs, grade,
+                                    {lab: limit_mib(lab) if self.limited else None
+                                     for lab in self.labs}])],
+                       check=True)
+
+    def result(self, lab: str, timeout: float):
+        """``(the notebook's grade, the cgroup's {"oom_kills", "peak_mib", "seconds"})``."""
+        end = monotonic() + timeout
+        done = self.folder / f"{lab}.cgroup.json"
+        while not done.exists() and not self.rc.exists() and monotonic() < end:
+            time.sleep(1)
+        if not done.exists():
+            log = (self.folder / "log").read_text(errors="replace") if (self.folder / "log").exists() else ""
+            pytest.fail(f"{lab}'s solution was not graded: {log[-2000:]}")
+        stats = json.loads(done.read_text())
+        notebooks = json.loads((self.folder / f"{lab}.json").read_text())["notebooks"] \
+            if (self.folder / f"{lab}.json").exists() else []
+        return (notebooks[0] if notebooks else None), stats
+
+
+def limit_mib(lab: str) -> int:
+    """The memory a lab's grading is held to: Gradescope's default, or what the export says
+    the lab needs (``NEEDS_MIB``: lab 03's check runs torchrun, three fresh interpreters)."""
+    return NEEDS_MIB.get(lab, MEMORY_MIB)
+
+
+# Grades each lab's solution in a memory cgroup of its own (argv: [folder, labs, the grade
+# command, {lab: the limit in MiB or null}]); writes <lab>.json and <lab>.cgroup.json.
+MEMORY_DAEMON = """import json, subprocess, sys, time
+from pathlib import Path
+from mgpu_lab.course.grading.sandbox import Limits, _make_cgroup, oom_file, oom_kills, probe, remove_cgroups
+folder, labs, grade, limits = json.loads(sys.argv[1])
+folder = Path(folder)
+for lab in labs:
+    prefix, cleanup, limit = [], [], limits[lab]
+    if limit:
+        made = _make_cgroup(probe().cgroup, Limits(memory_gib=limit / 1024, processes=4096))
+        if made:
+            procs, cleanup = made
+            prefix = ["/bin/sh", "-c", "".join(f'echo $$ > "{p}" && ' for p in procs) + 'exec "$@"', "sh"]
+    memory = next((d for d in cleanup if oom_file(d) is not None), None)
+    start = time.monotonic()
+    rc = subprocess.call(prefix + grade + [str(folder / f"{lab}.ipynb"), "--json", str(folder / f"{lab}.json")],
+                         stdout=subprocess.DEVNULL)
+    stats = {"rc": rc, "seconds": round(time.monotonic() - start, 1), "limit_mib": limit if memory else None,
+             "oom_kills": oom_kills([oom_file(memory)]) if memory else None, "peak_mib": None}
+    for name in ("memory.peak", "memory.max_usage_in_bytes"):
+        if memory is not None and (memory / name).exists():
+            stats["peak_mib"] = round(int((memory / name).read_text()) / 2**20)
+    remove_cgroups(cleanup)
+    (folder / f"{lab}.cgroup.json").write_text(json.dumps(stats))
+"""
+
+
 def stop(folder: Path) -> None:
-    """End a mutation run that is still going, and remove its folder."""
-    rc, pid = folder / "rc", folder / "pid"
-    if not rc.exists() and pid.exists():
-        try:
-            os.killpg(int(pid.read_text()), 9)
-        except (OSError, ValueError):
-            pass
+    """End a mutation run (and its solutions' run) that is still going, and remove its folder."""
+    for where in (folder, folder / "memory"):
+        rc, pid = where / "rc", where / "pid"
+        if not rc.exists() and pid.exists():
+            try:
+                os.killpg(int(pid.read_text()), 9)
+            except (OSError, ValueError):
+                pass
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -252,17 +340,22 @@ def share_with_workers(config) -> None:
     config.add_cleanup(lambda: stop(folder))
 
 
-def _run(labs, config) -> MutationRun:
+def _run(selected, config) -> MutationRun:
+    labs, solutions = selected
     shared = os.environ.get(SHARED)
     folder = Path(shared) if shared else Path(tempfile.mkdtemp(prefix="mgpu-lab-mutants-"))
     if not shared:
         config.add_cleanup(lambda: stop(folder))
     run = MutationRun(labs, folder)
+    run.memory = MemoryRun(solutions, folder) if solutions and (BOX.cgroup or WITH_SOLUTION) else None
     try:
         (folder / "claimed").mkdir()       # atomic: of xdist's workers, one starts the run
     except FileExistsError:
         return run
-    run.begin()
+    if labs:
+        run.begin()
+    if run.memory is not None:
+        run.memory.begin()
     return run
 
 
@@ -271,9 +364,9 @@ def start_beside(config, items) -> None:
     selected labs now, and move its tests to the end of the session."""
     mine = [item for item in items if _mine(item)]
     items[:] = [item for item in items if not _mine(item)] + mine
-    labs = _selected_labs(mine)
-    if labs and not config.option.collectonly and "run" not in _RUN:
-        _RUN["run"] = _run(labs, config)
+    selected = _selected_labs(mine)
+    if any(selected) and not config.option.collectonly and "run" not in _RUN:
+        _RUN["run"] = _run(selected, config)
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +420,31 @@ def test_each_mutant_scores_zero_on_its_exercise_and_the_others_keep_full_marks(
     assert not problems, "\n".join(problems)
     assert not survivors, f"{lab}: mutants that survived:\n" + "\n".join(survivors)
     assert kills, f"{lab}: no mutant was graded"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(MUTATION_RUN_TIMEOUT)
+@pytest.mark.parametrize("lab", LABS)
+def test_each_solution_scores_full_marks_within_768_mib_for_grader_judge_and_kernel(lab, request):
+    """Gradescope's default container (768 MiB; lab 03: what the export says it needs): the
+    whole grading of the lab's solution (grader, judge, kernel and its ranks) in a memory
+    cgroup of that size, no process killed for memory, full marks (docs/INSTRUCTORS.md has
+    each lab's peak)."""
+    if "run" not in _RUN:
+        _RUN["run"] = _run(_selected_labs(request.session.items), request.config)
+    memory = getattr(_RUN["run"], "memory", None)
+    if memory is None:
+        why = BOX.reason or "not root, or no memory and pids controllers"
+        pytest.skip(f"no memory cgroup can be made here ({why}): the solutions are graded in "
+                    f"{MEMORY_MIB} MiB where one can")
+    nb, stats = memory.result(lab, MUTATION_RUN_TIMEOUT)
+    assert nb is not None and not nb.get("error"), f"{lab}: not graded: {nb and nb.get('error')} {stats}"
+    lost = [f"{e['grade_id']} {e['score']}/{e['max_score']} {e['error']}: {e['message'][:150]}"
+            for e in nb["exercises"] if e["score"] != e["max_score"]]
+    assert not lost and nb["score"] == nb["max_score"] > 0, f"{lab}: the solution lost points: {lost}"
+    if memory.limited:
+        assert stats["limit_mib"] == limit_mib(lab) and stats["oom_kills"] == 0, \
+            f"{lab}: killed for memory in {limit_mib(lab)} MiB: {stats}"
 
 
 @pytest.mark.slow

@@ -146,3 +146,40 @@ def test_the_warm_zygote_forks_no_judge_for_another_pythonpath(tmp_path):
         assert warm.fork_judges(judge_environment(str(tmp_path)), str(tmp_path), sock) is None
     finally:
         warm.close()
+
+
+def test_as_the_run_as_user_a_warm_kernel_is_that_users_as_a_cold_one_is():
+    """No sandbox, the kernel run as another user (``--run-as``: a platform's container
+    without bubblewrap): the warm kernel is that user's process too, with no capability,
+    and sees what a cold one sees (the run's own folders aside)."""
+    from mgpu_lab.course.classroom.platforms import runs_python
+    from mgpu_lab.course.grading.sandbox import Sandbox, run_as_user
+    try:
+        user = run_as_user("nobody")
+        runs_python(user)
+    except (ValueError, OSError, RuntimeError) as err:
+        pytest.skip(f"no user nobody who can run this Python here: {err}")
+    box = Sandbox(False, "run-as", run_as=user)
+    instructor = nbformat.read(TOY, as_version=4)
+    seen = []
+    for warm in (True, False):
+        pool = JudgePool(judge_environment, JUDGE_TIMEOUT) if warm else None
+        try:
+            # the grader's whole environment is the kernel's here: its names counted, not listed
+            facts_code = FACTS.replace('"env": [k for k, _ in env]', '"env": len(env)')
+            prepared = prepare_submission(toy(first=facts_code), instructor)
+            run = run_prepared(prepared, instructor, box, Limits(), 60.0, 300.0, pool=pool)
+        finally:
+            if pool is not None:
+                pool.close()
+        cell = next(i for i, origin in enumerate(prepared.origin) if origin == 1)
+        assert run.results[cell].error == "ValueError", run.results[cell]
+        facts = json.loads(run.results[cell].message)
+        for per_run in ("cwd", "env_sha", "path", "no_new_privs"):   # its scratch folder's name
+            facts.pop(per_run)
+        seen.append(facts)
+    warm, cold = seen
+    assert warm["ids"][:4] == [user[0], user[0], user[1], user[1]] and warm["ids"][4] == []
+    none = "0000000000000000"
+    assert warm.pop("caps") == [none] * 5 and cold.pop("caps")[:3] == [none] * 3  # and no
+    assert warm == cold                                          # bounding set: stricter

@@ -34,6 +34,12 @@ from ..notebook.layout import course_dir, select_labs
 from .platforms import CONFIG, RESERVE
 
 PACKAGE = "mgpu_lab_package"
+# Memory: Gradescope's default container has 768 MiB for the grader, its judge and the
+# kernel together. Every lab's solution grades to full marks in it (each lab's measured peak:
+# docs/INSTRUCTORS.md, "Memory"; tests/test_mutants.py grades each in a 768 MiB cgroup),
+# except those named here with what they need (MiB), which the export says.
+GRADESCOPE_MIB = 768
+NEEDS_MIB = {"03_ddp_and_launching": 1280}   # its check runs torchrun: 3 fresh interpreters
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SETUP_SH = """#!/usr/bin/env bash
 # Gradescope runs this once, as root, when it builds the autograder's image (written by
@@ -56,6 +62,7 @@ chmod 0700 "$SOURCE"
 RUN_AUTOGRADER = """#!/usr/bin/env bash
 # Gradescope runs this for each submission (written by `mgpu-lab export gradescope`):
 # grades submission/*.ipynb with the solutions in source/, writes results/results.json.
+# {memory}
 export AUTOGRADER_ROOT="${AUTOGRADER_ROOT:-/autograder}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "${MGPU_LAB_PYTHON:-/opt/mgpu-lab/bin/python}" -m mgpu_lab.course.classroom.platforms gradescope \\
@@ -147,7 +154,7 @@ def export_gradescope(labs: Dict[str, Path], out: Path, args) -> List[str]:
         package_tree(tmp / PACKAGE)
         files = {"setup.sh": SETUP_SH.format(torch=args.torch or torch_spec(), index=CPU_INDEX,
                                              package=PACKAGE),
-                 "run_autograder": RUN_AUTOGRADER,
+                 "run_autograder": RUN_AUTOGRADER.replace("{memory}", memory_line(labs)),
                  CONFIG: json.dumps(config_for(sorted(labs), args), indent=2) + "\n"}
         out.parent.mkdir(parents=True, exist_ok=True)
         names = []
@@ -164,6 +171,24 @@ def export_gradescope(labs: Dict[str, Path], out: Path, args) -> List[str]:
                     _add(z, name, p.read_bytes(), 0o644)
                     names.append(name)
     return names
+
+
+def memory_needed(labs) -> int:
+    """MiB of memory the container needs to grade every one of ``labs`` (lab ids)."""
+    return max([GRADESCOPE_MIB] + [NEEDS_MIB.get(lab, 0) for lab in labs])
+
+
+def memory_line(labs) -> str:
+    """What the export says of memory: the labs fit Gradescope's default, or what they need."""
+    need = memory_needed(labs)
+    if need <= GRADESCOPE_MIB:
+        return (f"memory: every lab here grades within Gradescope's default {GRADESCOPE_MIB} MiB "
+                "(grader, judge and kernel together; docs/INSTRUCTORS.md, Memory); a kernel "
+                "killed for memory says \"out of memory (limit N MiB)\"")
+    big = ", ".join(f"{lab} {NEEDS_MIB[lab]} MiB" for lab in sorted(labs) if lab in NEEDS_MIB)
+    return (f"memory: give the autograder at least {need} MiB (Gradescope's default is "
+            f"{GRADESCOPE_MIB} MiB: {big}; docs/INSTRUCTORS.md, Memory); a kernel killed for "
+            "memory says \"out of memory (limit N MiB)\"")
 
 
 def _add(z: zipfile.ZipFile, name: str, data: bytes, mode: int) -> None:
@@ -225,7 +250,7 @@ def _cmd_export(args) -> int:
     if args.platform == "gradescope":
         names = export_gradescope(labs, out, args)
         print(f"wrote {out} ({len(names)} files; labs {', '.join(labs)}): upload it as the "
-              f"assignment's autograder (timeout {args.limit:g} s)")
+              f"assignment's autograder (timeout {args.limit:g} s)\n{memory_line(labs)}")
     else:
         folders = export_prairielearn(labs, out, args)
         print(f"wrote {len(folders)} question(s) in {out}: copy {', '.join(f.name for f in folders)}"
@@ -246,7 +271,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--limit", type=float, default=600.0,
                    help="the platform's time limit per submission, seconds (600)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per cell (120)")
-    p.add_argument("--memory", type=float, help="GiB per notebook (default: half the "
+    p.add_argument("--memory", type=float, help="GiB per notebook's sandbox (default: the "
                    "container's memory, at most 8)")
     p.add_argument("--visibility", default="visible",
                    choices=["visible", "hidden", "after_due_date", "after_published"],

@@ -88,17 +88,23 @@ def runs_python(run_as) -> None:
                            f"{done.stderr.decode(errors='replace').strip()[-200:]}")
 
 
+def container_mib() -> int:
+    """The memory this container may use, MiB: its cgroup's limit, else the machine's."""
+    from ..grading.sandbox import memory_limit_mib, own_memory_cgroup
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    return min(total, memory_limit_mib(own_memory_cgroup()) or total)
+
+
 def memory_gib(config: dict) -> float:
-    """GiB per notebook: the config's, else half of what this container may use."""
+    """GiB per notebook's sandbox: the config's, else all this container may use (at most 8).
+    Not less: the grader, its judge and the kernel share the container (Gradescope's 768 MiB
+    by default), and its OOM killer takes the sandbox's processes first (their
+    ``oom_score_adj``, :mod:`..grading.runner`), so a kernel that fills it is what dies, and
+    its exercise says "out of memory (limit N MiB)"; a sandbox held to half of it killed
+    labs that fit the container."""
     if config.get("memory"):
         return float(config["memory"])
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            total = min(total, int(Path(limit).read_text().split()[0]))
-        except (OSError, ValueError):
-            pass
-    return max(0.5, min(8.0, total / 2**30 / 2))
+    return max(0.5, min(8.0, container_mib() / 1024))
 
 
 def grade_submission(folder: Path, solutions: Path, config: dict, budget: float):

@@ -45,6 +45,7 @@ from ..notebook.cells import (exercise_of, given_statements, graded_cells, lab_i
 from ..notebook.exercises import lab_version, submitted_version, syntax_error, titles, untouched
 from .guard import called_in, forbidden_of, notebook_violations
 from .hidden import WITHHELD, hidden_lines, shows_hidden
+from .kernel import OOM_MESSAGE
 from .sandbox import Limits, Sandbox
 from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
                       verdict_text)
@@ -277,7 +278,8 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
         probe = graded_cell.split(cell.source).probe
         found.error, found.message = kernel_error(
             result.error, result.message, result.frames, _learners_cells(prepared),
-            (index, cell.source.count("\n") + 1), _names_read(probe), hidden_lines(cell.source))
+            (index, cell.source.count("\n") + 1), _names_read(probe), hidden_lines(cell.source),
+            run.memory_mib)
     verdict = run.verdicts.get(index) if run is not None else None
     if verdict is not None:
         found.judged = True
@@ -286,6 +288,10 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
         if verdict.error == "AssertionError" and verdict.line and shows_hidden(cell.source,
                                                                                verdict.line):
             found.verdict_message = f"check line {verdict.line} failed ({WITHHELD})"
+        killed = result is not None and not result.error and result.message == OOM_MESSAGE
+        if found.verdict and killed:   # a process the probe started (a rank, a script) was
+            found.error, found.message = kernel_error(     # killed for memory: say so
+                "OutOfMemory", "", [], {}, (index, 0), (), memory_mib=run.memory_mib)
     return found
 
 

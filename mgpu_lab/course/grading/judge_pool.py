@@ -21,6 +21,7 @@ of its own (:class:`~mgpu_lab.course.grading.judge.JudgeProcess`), as without a 
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -51,6 +52,7 @@ def main() -> int:
             if len(fds) != 2:
                 pipe.send(Reply(False, "JudgeError", "no pipe came with the fork request"))
                 continue
+            gc.freeze()      # the setup's objects stay shared: no collection copies them
             pid = os.fork()
             if pid == 0:                                    # the notebook's judge
                 code = 1

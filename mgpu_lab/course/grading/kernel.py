@@ -11,6 +11,10 @@ solution is executed exactly as a submission is graded:
   a fresh kernel re-runs every earlier cell once (except cells that hung or
   crashed) to rebuild the state, and the run goes on after the bad cell; after
   ``MAX_RESTARTS`` restarts the remaining cells get "DeadKernel";
+- a cell that failed (not by a timeout: its kernel died, a rank of its ``launch()``) while
+  the OOM killer killed a process of the kernel's cgroup (``oom_kills()``, a counter read
+  before and after the cell) gets "OutOfMemory" instead (one that raised nothing, the
+  message :data:`OOM_MESSAGE`: a process it started was killed);
 - ``total_timeout`` bounds the whole notebook; cells past it get "TotalTimeout".
 
 ``before(client, index, cell)`` and ``after(client, index, cell, result)`` (async)
@@ -51,6 +55,7 @@ class CellResult:
     message: str = ""
     seconds: float = 0.0
     expected_error: bool = False    # tagged raises-exception
+    died: bool = False              # the kernel died running it (DeadKernel, or OutOfMemory)
     frames: List[Tuple[int, int]] = field(default_factory=list)  # (cell index, line), outermost first
 
 
@@ -174,8 +179,12 @@ async def silent(client, code: str, expressions: Optional[dict] = None,
     return {}
 
 
+OOM_MESSAGE = "the kernel (or a process it started) was killed for memory"
+
+
 async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
-               after=None, graded_history=True, start_kernel=None) -> List[CellResult]:
+               after=None, graded_history=True, start_kernel=None,
+               oom_kills=None) -> List[CellResult]:
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
     from nbclient.util import ensure_async
@@ -199,14 +208,15 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
         expected = "raises-exception" in cell.metadata.get("tags", [])
         graded = (cell.metadata.get("nbgrader") or {}).get("grade", False)
         start, history = monotonic(), graded_history or not graded
+        kills = oom_kills() if oom_kills is not None else None
         try:
             if first and before is not None:
                 await before(client, i, cell)
             start = monotonic()
             await client.async_execute_cell(cell, i, store_history=history)
         except DeadKernelError:
-            return CellResult(i, "DeadKernel", "the kernel died running this cell",
-                              monotonic() - start, expected)
+            return _killed(CellResult(i, "DeadKernel", "the kernel died running this cell",
+                                      monotonic() - start, expected, died=True), kills)
         content = (replies.pop(i, None) or {}).get("content", {})
         result = CellResult(i, seconds=monotonic() - start, expected_error=expected)
         if isinstance(content.get("execution_count"), int):    # without history: the next one's
@@ -221,6 +231,15 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
                 await after(client, i, cell, result)
             except DeadKernelError:
                 pass  # the next cell finds the kernel dead and restarts it
+        return _killed(result, kills)
+
+    def _killed(result: CellResult, kills) -> CellResult:
+        """``result`` as "OutOfMemory" when it failed while the OOM killer killed (a cell
+        that raised nothing keeps OOM_MESSAGE as its message: a subprocess was killed)."""
+        if result.error != "Timeout" and kills is not None and (oom_kills() or 0) > kills:
+            if result.error is not None:
+                result.error, result.frames = "OutOfMemory", []
+            result.message = OOM_MESSAGE
         return result
 
     pos, restarts = 0, 0
@@ -236,7 +255,8 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
                 if info and "language_info" in info["content"]:
                     nb.metadata["language_info"] = info["content"]["language_info"]
             for i in code[:pos]:  # a fresh kernel: rebuild the state once
-                if i not in skip and (await execute(i)).error in ("DeadKernel", "Timeout"):
+                replayed = await execute(i) if i not in skip else None
+                if replayed is not None and (replayed.died or replayed.error == "Timeout"):
                     for j in code[pos:]:
                         results[j] = CellResult(j, "DeadKernel", "state lost: replay failed")
                     pos = len(code)
@@ -250,7 +270,7 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
                 results[i] = await execute(i, first=True)
                 if bar is not None:
                     bar.update(1)
-                if results[i].error == "DeadKernel" or (
+                if results[i].died or (
                         results[i].error == "Timeout" and not await _responsive(client.kc)):
                     skip.add(i)
                     break
@@ -268,14 +288,16 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
 
 def run_notebook(nb, cwd=".", timeout: float = 120.0, total_timeout: Optional[float] = None,
                  desc: Optional[str] = None, progress: bool = True, before=None,
-                 after=None, graded_history: bool = True, start_kernel=None) -> List[CellResult]:
+                 after=None, graded_history: bool = True, start_kernel=None,
+                 oom_kills=None) -> List[CellResult]:
     """Execute ``nb`` in place (outputs stored in it) under the limits above.
 
     Returns one :class:`CellResult` per non-empty code cell; never raises for
     errors inside the notebook. ``graded_history=False`` keeps graded cells out
     of the kernel's input history (the grader: no ``In[]`` view of hidden tests).
     ``start_kernel(argv, env, cwd)``: a kernel's pid, started warm (:mod:`.warm_kernel`),
-    or None to start it here.
+    or None to start it here. ``oom_kills()``: the OOM kills of the kernel's cgroup so far
+    (None: unknown), read around each cell.
     """
     from nbclient.util import run_sync
     from tqdm.auto import tqdm
@@ -286,7 +308,7 @@ def run_notebook(nb, cwd=".", timeout: float = 120.0, total_timeout: Optional[fl
     state = {"km": None}  # the live kernel, so that Ctrl-C cannot orphan it
     try:
         return run_sync(_run)(nb, cwd, timeout, total_timeout, bar, state, before, after,
-                              graded_history, start_kernel)
+                              graded_history, start_kernel, oom_kills)
     except BaseException:
         km = state["km"]
         if km is not None and km.has_kernel:

@@ -63,6 +63,7 @@ class Header:
     graded: Dict[int, List[str]]   # graded cell index -> what it must not call
     limited: bool = False          # no sandbox, another user: still set the rlimits
     warm: bool = False             # ask the grader for the kernel (``StartKernel``) first
+    oom_files: List[str] = field(default_factory=list)  # the sandbox's cgroup's OOM-kill counter
 
 
 @dataclass
@@ -107,7 +108,8 @@ class Results:
 class StartKernel:
     """Runner -> grader: start my kernel (``pid``: the runner's, in its sandbox). Grader ->
     warm zygote (:mod:`.warm_kernel`): the same, ``pid`` the runner's as the grader sees
-    it, with the sandbox's limits and cgroup files."""
+    it, with the sandbox's limits and cgroup files; or, with ``user`` (``[uid, gid]``: no
+    sandbox, the kernel run as another user), as that user, beside the runner."""
     argv: List[str]
     env: Dict[str, str]
     cwd: str
@@ -115,6 +117,7 @@ class StartKernel:
     limits: dict = field(default_factory=dict)
     cgroup: bool = False
     cgroups: List[str] = field(default_factory=list)
+    user: List[int] = field(default_factory=list)
 
 
 @dataclass

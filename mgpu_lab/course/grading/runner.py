@@ -99,6 +99,30 @@ def _threads(path):
         return 0, []
 
 
+def _first_victim() -> None:
+    """This process and what it starts (the kernel, its ranks) are the OOM killer's first
+    choice, before the grader and its judge outside the sandbox (a container's limit holds
+    over them all); the largest of them goes first, the kernel or a rank, not this one."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
+def _oom_counter(header):
+    """``oom_kills()`` for :func:`.kernel.run_notebook`: the sandbox's cgroup's OOM-kill
+    count, else (no sandbox) this process's own cgroup's, a container's; None: none here."""
+    from .sandbox import oom_file, oom_kills, own_memory_cgroup
+    files = list(header.oom_files)
+    if not files and not header.sandboxed:
+        mine = own_memory_cgroup()
+        files = [str(oom_file(mine))] if mine is not None else []
+    if oom_kills(files) is None:
+        return None
+    return lambda: oom_kills(files)
+
+
 def _kernel_pid(client):
     km = client.km
     for owner in (getattr(km, "provisioner", None), getattr(km, "kernel", None)):
@@ -111,6 +135,7 @@ def _kernel_pid(client):
 def main() -> int:
     pipe = child_pipe()
     _protect()
+    _first_victim()
     header = pipe.receive()
 
     import nbformat
@@ -190,7 +215,8 @@ def main() -> int:
     results = run_notebook(nb, cwd=os.getcwd(), timeout=header.timeout,
                            total_timeout=header.total_timeout, progress=False,
                            before=before, after=after, graded_history=False,
-                           start_kernel=start_kernel if header.warm else None)
+                           start_kernel=start_kernel if header.warm else None,
+                           oom_kills=_oom_counter(header))
     shutil.rmtree(io_dir, ignore_errors=True)
     pipe.send(Results([Outcome(r.index, r.error, (r.message or "")[:MESSAGE_LIMIT],
                                round(r.seconds, 3), [list(f) for f in r.frames][-20:])

@@ -192,15 +192,47 @@ def command(box: Sandbox, argv: List[str], limits: Limits, package_dir: Path,
     return args + ["--", *argv], cleanup
 
 
+def own_cgroup(controller: str) -> Optional[Path]:
+    """The folder of this process's cgroup for ``controller`` (v1: ``memory``, ``pids``;
+    ``""``: v2's), as ``/proc/self/cgroup`` names it; None when it has none."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if (controller in controllers.split(",")) if controller else controllers == "":
+            base = CGROUP_V2 if not controller else CGROUP_V1 / controller
+            return base / path.lstrip("/")
+    return None
+
+
+def _parent(kind: str, controller: str) -> Path:
+    """Where a sandbox's cgroup is made: inside the grader's own (so a container's or a
+    measurement's limit holds over the sandbox too) where that can hold it, else the root."""
+    root = CGROUP_V2 if kind == "v2" else CGROUP_V1 / controller
+    mine = own_cgroup("" if kind == "v2" else controller)
+    if mine is None or mine == root or not os.access(mine, os.W_OK):
+        return root
+    if kind == "v2":   # the controllers must be enabled for its children
+        try:
+            if not {"memory", "pids"} <= set((mine / "cgroup.subtree_control").read_text().split()):
+                return root
+        except OSError:
+            return root
+    return mine
+
+
 def _make_cgroup(kind: str, limits: Limits, what: str = "grade", pids: bool = True):
-    """Create cgroup(s) with the limits (memory, and processes when ``pids``); return
-    (cgroup.procs files, folders to remove), or None."""
+    """Create cgroup(s) with the limits (memory, and processes when ``pids``), inside the
+    grader's own where they can be (:func:`_parent`); return (cgroup.procs files, folders to
+    remove), or None."""
     name = f"mgpu-lab-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     memory = str(int(limits.memory_gib * 2**30))
     made = []
     try:
         if kind == "v2":
-            d = CGROUP_V2 / name
+            d = _parent(kind, "") / name
             d.mkdir()
             made.append(d)
             (d / "memory.max").write_text(memory)
@@ -208,13 +240,15 @@ def _make_cgroup(kind: str, limits: Limits, what: str = "grade", pids: bool = Tr
             if pids:
                 (d / "pids.max").write_text(str(limits.processes))
             return [str(d / "cgroup.procs")], [d]
-        mem = CGROUP_V1 / "memory" / name
+        mem = _parent(kind, "memory") / name
         mem.mkdir()
         made.append(mem)
         (mem / "memory.limit_in_bytes").write_text(memory)
+        if (mem / "memory.memsw.limit_in_bytes").exists():      # no swap, as v2's swap.max
+            (mem / "memory.memsw.limit_in_bytes").write_text(memory)
         if not pids:
             return [str(mem / "cgroup.procs")], [mem]
-        count = CGROUP_V1 / "pids" / name
+        count = _parent(kind, "pids") / name
         count.mkdir()
         made.append(count)
         (count / "pids.max").write_text(str(limits.processes))
@@ -230,21 +264,10 @@ def memory_cgroup(kind: Optional[str], memory_gib: float):
     return _make_cgroup(kind, Limits(memory_gib=memory_gib), "judge", pids=False) if kind else None
 
 
-def oom_kills(folders) -> int:
-    """Processes the kernel's OOM killer ended in these cgroups so far (v2's ``memory.events``,
-    v1's ``memory.oom_control``; 0 where neither counts them, before Linux 4.13)."""
-    total = 0
-    for d in folders:
-        for name, key in (("memory.events", "oom_kill"), ("memory.oom_control", "oom_kill")):
-            try:
-                text = (Path(d) / name).read_text()
-            except OSError:
-                continue
-            found = [line.split()[1] for line in text.splitlines() if line.split()[:1] == [key]]
-            if found:
-                total += int(found[0])
-                break
-    return total
+def cgroup_oom_kills(folders) -> int:
+    """Processes the kernel's OOM killer ended in these cgroup folders so far (0 where none
+    counts them: before Linux 4.13); :func:`oom_kills` over their :func:`oom_file`."""
+    return oom_kills([f for f in (oom_file(Path(d)) for d in folders) if f is not None]) or 0
 
 
 def remove_cgroups(folders, wait: float = 10.0) -> None:
@@ -289,3 +312,64 @@ def apply_rlimits(limits: Limits, cgroup: bool) -> None:
             resource.setrlimit(resource.RLIMIT_DATA, (data, data))
         except (ValueError, OSError):
             pass
+
+
+# --- killed for memory -------------------------------------------------------------
+
+def oom_file(folder: Path) -> Optional[Path]:
+    """The file of memory cgroup ``folder`` that counts its OOM kills (v2 ``memory.events``,
+    v1 ``memory.oom_control``: ``oom_kill N``, the cgroup's and its descendants')."""
+    for name in ("memory.events", "memory.oom_control"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def oom_kills(files) -> Optional[int]:
+    """How many processes the OOM killer has killed in these cgroups (``oom_file``'s), or
+    None when none can be read."""
+    total, read = 0, False
+    for f in files:
+        try:
+            text = Path(f).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("oom_kill "):
+                total, read = total + int(line.split()[1]), True
+    return total if read else None
+
+
+def own_memory_cgroup() -> Optional[Path]:
+    """This process's memory cgroup folder, where it can be read: the path
+    ``/proc/self/cgroup`` names, else the mount's root (a container's own cgroup when the
+    container has its own cgroup namespace, or the host's path is not mounted in it)."""
+    for controller, root in (("memory", CGROUP_V1 / "memory"), ("", CGROUP_V2)):
+        mine = own_cgroup(controller)
+        for folder in (mine, root):
+            if folder is not None and oom_file(folder) is not None:
+                return folder
+    return None
+
+
+def memory_limit_mib(folder: Optional[Path]) -> Optional[int]:
+    """The memory limit that holds over cgroup ``folder`` (the lowest of its own and its
+    ancestors'), in MiB; None when there is none or it cannot be read."""
+    if folder is None:
+        return None
+    limits = []
+    try:
+        stat = (folder / "memory.stat").read_text().split()
+        if "hierarchical_memory_limit" in stat:                          # v1
+            limits.append(int(stat[stat.index("hierarchical_memory_limit") + 1]))
+        else:                                                            # v2: up to the root
+            d = folder
+            while (d / "memory.max").is_file():
+                value = (d / "memory.max").read_text().strip()
+                if value != "max":
+                    limits.append(int(value))
+                d = d.parent
+    except (OSError, ValueError, IndexError):
+        return None
+    limits = [v for v in limits if v < 2**60]
+    return min(limits) // 2**20 if limits else None

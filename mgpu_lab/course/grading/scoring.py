@@ -138,6 +138,7 @@ OURS = {   # failures the runner reports itself: our words, whatever the kernel 
     "TotalTimeout": "the notebook ran past its total time limit",
     "NoReply": "the kernel sent no reply to this cell",
     "NotRun": "the cell did not run",
+    "OutOfMemory": "out of memory",   # with the limit: kernel_error's memory_mib
 }
 KNOWN = ({n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
           and issubclass(getattr(builtins, n), BaseException)}
@@ -157,7 +158,7 @@ def exception_name(name: Optional[str]) -> str:
 
 def kernel_error(error: str, message: str, frames: Iterable, cells: Dict[int, Tuple[int, int]],
                  graded: Tuple[int, int], probe_names: Iterable[str],
-                 hidden: Iterable[int] = ()) -> Tuple[str, str]:
+                 hidden: Iterable[int] = (), memory_mib: Optional[int] = None) -> Tuple[str, str]:
     """``(error, message)`` a report may show for a failure in the kernel.
 
     ``frames``: the traceback's (cell index, line), outermost first; ``cells``: the
@@ -165,7 +166,10 @@ def kernel_error(error: str, message: str, frames: Iterable, cells: Dict[int, Tu
     ``graded``: the graded cell's ``(index, lines)``; ``probe_names``: the names its
     probe reads (a ``NameError`` for one of them keeps its standard message); ``hidden``:
     the graded cell's hidden lines (a failure there is not placed by its line).
+    ``memory_mib``: the memory limit over the kernel, which "OutOfMemory" names.
     """
+    if error == "OutOfMemory" and memory_mib:
+        return error, f"{OURS[error]} (limit {memory_mib} MiB)"
     if error in OURS:
         return error, OURS[error]
     name, what = exception_name(error), []

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,8 +35,8 @@ from .guard import forbidden_of
 from .judge import MEMORY_ENV, MEMORY_MESSAGE, JudgeError, JudgeProcess
 from .protocol import (RUNNER_COMMAND, Answer, Channel, Header, KernelStarted, Need, Outcome,
                        Probe, Results, StartKernel)
-from .sandbox import (WORK, Limits, Sandbox, cgroup_kind, command, memory_cgroup, oom_kills,
-                      remove_cgroups)
+from .sandbox import (WORK, Limits, Sandbox, cgroup_kind, cgroup_oom_kills, command, memory_cgroup,
+                      memory_limit_mib, oom_file, own_memory_cgroup, remove_cgroups)
 from .submission import Prepared
 
 JUDGE_TIMEOUT = 300.0   # seconds for the judge's setup (imports, setup cells), at least
@@ -56,6 +57,7 @@ class RunOutcome:
     violations: Dict[int, List[str]] = field(default_factory=dict)
     verdicts: Dict[int, Verdict] = field(default_factory=dict)
     threads: Dict[int, tuple] = field(default_factory=dict)      # (running, names) at probe end
+    memory_mib: Optional[int] = None   # the memory limit over the kernel (a cgroup's), MiB
 
 
 def package_dir() -> Path:
@@ -84,8 +86,9 @@ def runner_command(box: Sandbox, limits: Limits, scratch: str):
     os.makedirs(cwd)
     env = dict(os.environ, **{k: v for k, v in env.items() if k not in ("TMPDIR", "HOME")},
                HOME=cwd)
-    if os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
+    if os.environ.get("PYTHONPATH"):   # as the judges' (:func:`judge_environment`)
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"]] + [
+            p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p and p != env["PYTHONPATH"]])
     for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR", "MPLCONFIGDIR"):
         env[k] = os.path.join(cwd, "." + k.lower())
     if box.run_as:                 # its own folder; the judge's stays the grader's
@@ -98,8 +101,12 @@ def runner_command(box: Sandbox, limits: Limits, scratch: str):
 def judge_environment(home: str, memory_gib: float = Limits.memory_gib) -> dict:
     """The judge runs the instructor's code only: the grader's own environment, and the
     sandbox's memory as its data limit (:mod:`.judge`)."""
-    path = [str(package_dir().parent)] + ([os.environ["PYTHONPATH"]]
-                                          if os.environ.get("PYTHONPATH") else [])
+    # The package's folder once: a PYTHONPATH that names it too (a checkout's) would make
+    # the judges' path differ from the sandbox's, and they would not be forks of the warm
+    # zygote (:mod:`.warm_kernel`), each importing torch again (about 100 MiB more).
+    here = str(package_dir().parent)
+    path = [here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                     if p and p != here]
     env = dict(os.environ, MPLBACKEND="Agg", HOME=home, MPLCONFIGDIR=os.path.join(home, ".mpl"),
                PYTHONPATH=os.pathsep.join(path))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -148,17 +155,17 @@ class Judges:
     def ask(self, step: str, *args):
         """``judge.step(*args)``; on :class:`JudgeError` (or a process of the judge's ended
         for memory) a fresh judge, and the error raised."""
-        killed = oom_kills(self.cgroup[1]) if self.cgroup else 0
+        killed = cgroup_oom_kills(self.cgroup[1]) if self.cgroup else 0
         try:
             reply = getattr(self.judge, step)(*args)
-            if self.cgroup and oom_kills(self.cgroup[1]) > killed:
+            if self.cgroup and cgroup_oom_kills(self.cgroup[1]) > killed:
                 raise JudgeError(MEMORY_MESSAGE)      # a rank of its launch(), say
             return reply
         except JudgeError as err:
             self.judge.close()
             self.judge = self._new()
             self.setup()
-            if self.cgroup and oom_kills(self.cgroup[1]) > killed:
+            if self.cgroup and cgroup_oom_kills(self.cgroup[1]) > killed:
                 raise JudgeError(MEMORY_MESSAGE) from None
             raise err
 
@@ -240,13 +247,27 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
         os.makedirs(home, mode=0o700)
         user = {} if box.available or not box.run_as else dict(
             user=box.run_as[0], group=box.run_as[1], extra_groups=[])
-        warm = pool.warm_kernels(env) if pool is not None and box.available else None
+        # Warm kernels: in the sandbox, or (no sandbox) as the --run-as user (a platform's
+        # container without bubblewrap), where each cold kernel and judge would import torch
+        # again: about 250 MiB more in Gradescope's 768 MiB.
+        as_user = None if box.available else box.run_as
+        warm = (pool.warm_kernels(env) if pool is not None and (box.available or as_user)
+                else None)
         header.warm = warm is not None
+        started: List[int] = []
+        memory = next((d for d in cleanup if oom_file(d) is not None), None)
+        header.oom_files = [str(oom_file(memory))] if memory is not None else []
+        memory_mib = memory_limit_mib(memory or own_memory_cgroup())
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True,
                                 **user)
-        start_kernel = None if warm is None else lambda msg: warm.start(
-            msg, proc.pid, asdict(limits), bool(box.cgroup), [str(d / "cgroup.procs") for d in cleanup])
+        def start_kernel(msg):
+            reply = warm.start(msg, proc.pid, asdict(limits), bool(box.cgroup),
+                               [str(d / "cgroup.procs") for d in cleanup],
+                               as_user[:2] if as_user else None)
+            if as_user and reply.pid is not None:
+                started.append(reply.pid)      # no PID namespace ends it with the runner
+            return reply
         tail: list = []
         threading.Thread(target=_drain, args=(proc.stderr, tail), daemon=True).start()
         judges = None
@@ -257,14 +278,22 @@ def run_prepared(prepared: Prepared, instructor, box: Sandbox, limits: Limits,
                             box.cgroup if box.available else cgroup_kind())
             judges.setup()                                      # while the kernel starts
             deadline = monotonic() + (total_timeout or 24 * 3600) + 60
-            return converse(channel, judges, prepared, parts, settled, deadline, tail, start_kernel,
-                            cases, capture)
+            out = converse(channel, judges, prepared, parts, settled, deadline, tail,
+                           start_kernel if warm is not None else None, cases, capture)
+            out.memory_mib = memory_mib
+            return out
         finally:
             if judges is not None:
                 judges.close()
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+            for pid in started:                 # a warm kernel as --run-as's user, its ranks
+                try:
+                    if os.stat(f"/proc/{pid}").st_uid == as_user[0]:   # not a pid reused
+                        os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
             remove_cgroups(cleanup)
 
 
