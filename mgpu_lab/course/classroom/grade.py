@@ -37,15 +37,19 @@ def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
                      max(timeout, JUDGE_TIMEOUT))
 
     def one(item):
-        student, path, folder, _, problem = (tuple(item) + (None,) * 3)[:5]
+        student, path, folder, uid, problem, subid = (tuple(item) + (None,) * 4)[:6]
+        canvas = (uid, subid) if uid and subid else None    # decided once, by handins
         if problem:                       # stored so that it cannot be graded: said so
-            return NotebookGrade(str(path), Path(path).name, student, error=problem)
+            return NotebookGrade(str(path), Path(path).name, student, error=problem,
+                                 canvas=canvas)
         try:
-            return grade_notebook(path, labs, student, box, limits, timeout, total_timeout,
-                                  pool, folder)
+            grade = grade_notebook(path, labs, student, box, limits, timeout, total_timeout,
+                                   pool, folder)
         except BaseException as err:  # any failure of one notebook (SystemExit too) costs
-            return NotebookGrade(str(path), Path(path).name, student,  # that notebook only
-                                 error=f"GraderError: {type(err).__name__}: {brief(str(err))}")
+            grade = NotebookGrade(str(path), Path(path).name, student,  # that notebook only
+                                  error=f"GraderError: {type(err).__name__}: {brief(str(err))}")
+        grade.canvas = canvas
+        return grade
 
     bar = None
     if progress:
