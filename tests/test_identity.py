@@ -195,3 +195,31 @@ def test_a_file_named_dot_ipynb_is_listed(tmp_path):
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / ".ipynb").write_text(notebook(1))
     assert [s.path.name for s in find_submissions([tmp_path / "c"])] == [".ipynb"]
+
+
+def test_a_roster_row_keeps_its_own_name_and_the_stranger_is_decorated(tmp_path):
+    """L1: Bob's login is bbuilder; a folder ``bob`` is a stranger: it becomes ``bob_``, the
+    row (found by the Canvas id of a download's file named ``bob``) stays ``bob``."""
+    (tmp_path / "class" / "bob").mkdir(parents=True)
+    (tmp_path / "class" / "bob_101_11_toy.ipynb").write_text(notebook(5))
+    (tmp_path / "class" / "bob" / "toy.ipynb").write_text(notebook(0))
+    roster = read_roster_text(tmp_path, "Student,ID,SIS Login ID\n\"Builder, Bob\",101,bbuilder\n")
+    found, rows, _ = identify(find_submissions([tmp_path / "class"], keyed=False), roster)
+    assert sorted((s.student, s.path.name) for s in found) == [
+        ("bob", "bob_101_11_toy.ipynb"), ("bob_", "toy.ipynb")]
+    assert list(rows) == ["bob"] and rows["bob"]["ID"] == "101"
+
+
+def test_the_other_notebooks_of_a_lab_are_named_five_at_most():
+    """L3: the note of the notebook that counts names 5 others, then how many more."""
+    book = Gradebook([fake_grade_of("bob", f"{i:02}.ipynb", i % 5, None) for i in range(12)],
+                     {"toy": 5})
+    (note,) = [n for n in book.counted("bob", "toy").notes if n.startswith("this notebook")]
+    assert note.count(".ipynb") == 5 and note.endswith(" and 6 more)")
+
+
+def test_a_student_named_points_possible_is_a_student(tmp_path):
+    """L5: only Canvas's own Points Possible row (no ID) is skipped."""
+    roster = read_roster_text(tmp_path, "Student,ID,toy (1)\n    Points Possible,,5\n"
+                                        "Points Possible,77,3\n")
+    assert [r["ID"] for r in roster.rows] == ["77"] and roster.points == {"toy (1)": "5"}

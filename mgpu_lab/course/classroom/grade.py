@@ -101,7 +101,8 @@ def _cmd_grade(args) -> int:
         return usage("--assignment goes with --canvas (it names the lab's column in Canvas's import)")
     with tempfile.TemporaryDirectory(prefix="mgpu-lab-downloads-") as unpacked:
         try:
-            submissions, rows, notices = identify(find_submissions(args.paths, unpacked), roster)
+            found = find_submissions(args.paths, unpacked, keyed=False)
+            submissions, rows, notices = identify(found, roster)
             labs = load_solutions(solutions)
             if args.lab:
                 submissions, labs = only_labs(submissions, labs, args.lab)

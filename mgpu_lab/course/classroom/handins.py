@@ -76,7 +76,7 @@ def handed_in(folder: Path, student: str, real: Optional[str] = None) -> List[Su
     return sorted(found, key=lambda s: s.path) + deep
 
 
-def find_submissions(paths, unpack_to=None) -> List[Submission]:
+def find_submissions(paths, unpack_to=None, keyed=True) -> List[Submission]:
     """The submissions in ``paths``, each under its student's name (:func:`identify`, no
     roster). A folder holds a folder per student (any depth below it, so nbgrader's
     ``submitted/<student>/<lab>/`` works: pass ``submitted``; no folder name is special)
@@ -88,7 +88,8 @@ def find_submissions(paths, unpack_to=None) -> List[Submission]:
     identity, as in a student's folder); all in one folder, flat files. A link to a folder
     at the top is listed, not followed. ``folder``: the real path a found notebook must lie in
     (its student's folder, or the class folder for a flat one): one that a symbolic link
-    takes elsewhere is refused when graded."""
+    takes elsewhere is refused when graded. ``keyed=False``: as found, for :func:`identify`
+    with a roster (its rows keep their own names)."""
     found, named = [], []
     for p in map(Path, paths):
         if p.is_file() and p.suffix == ".zip":
@@ -114,7 +115,7 @@ def find_submissions(paths, unpack_to=None) -> List[Submission]:
     for p in named:                 # in several folders: each its folder's, as a folder's
         found.append(Submission(student_name(p.parent.name), p) if by_folder
                      else _flat_notebook(p, None))
-    return identify(found)[0]
+    return identify(found)[0] if keyed else found
 
 
 def _flat_notebook(path: Path, real) -> Submission:
@@ -161,7 +162,8 @@ def identify(found: List[Submission], roster=None) -> Tuple[List[Submission], Di
     own name, is in no row, and is named in the notices. Without one (and for those), a
     student is a Canvas user id or, without an id, a name. A student's name is the first
     of its submissions' names; a name two students share gets ``_`` and an id (the Canvas
-    user id, the row's ID) on all but the one of that exact name. A file whose Canvas name
+    user id, the row's ID; a folder's name: ``_``) on all but one: a roster row's, else the
+    one of that exact name. A file whose Canvas name
     splits several ways is the roster's row whose ``Student``, written as Canvas writes it
     (:func:`~.lms.canvas_name`), is the name of exactly one split; else it is graded under
     its own name, in no row. A student's notebooks past :data:`MAX_NOTEBOOKS` are listed."""
@@ -185,9 +187,10 @@ def identify(found: List[Submission], roster=None) -> Tuple[List[Submission], Di
     for w, n in name.items():
         shared.setdefault(n, []).append(w)
     for w, n in name.items():
-        key[w] = n
-        if len(shared[n]) > 1 and w[0] != "name":
-            key[w] = f"{n}_{_id(w, roster)}"
+        key[w], rows = n, [x for x in shared[n] if x[0] == "row"]
+        keeper = rows[0] if len(rows) == 1 else ("name", n)   # a row keeps its own name
+        if len(shared[n]) > 1 and w != keeper:
+            key[w] = f"{n}_{_id(w, roster)}" if w[0] != "name" else f"{n}_"
             while key[w] in taken:
                 key[w] += "_"
             taken.add(key[w])

@@ -180,8 +180,8 @@ def value(row: Dict[str, str], column: str) -> Optional[str]:
 
 
 def read_roster(path) -> Roster:
-    """A roster CSV (Canvas's gradebook export as it comes: its "Points Possible" and
-    muted-assignment rows are skipped)."""
+    """A roster CSV (Canvas's gradebook export as it comes: its "Points Possible" row, which
+    has no ID, and muted-assignment rows are skipped)."""
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         columns = list(reader.fieldnames or [])
@@ -189,8 +189,9 @@ def read_roster(path) -> Roster:
     if not columns:
         raise ValueError(f"{path}: an empty roster (a CSV with a header is needed)")
     first = lambda r: (r.get(columns[0]) or "").strip()  # noqa: E731
-    points = next((r for r in every if first(r) == "Points Possible"), {})
-    rows = [r for r in every if first(r) not in ("Points Possible", "")]
+    is_points = lambda r: first(r) == "Points Possible" and not value(r, "ID")  # noqa: E731
+    points = next((r for r in every if is_points(r)), {})
+    rows = [r for r in every if first(r) and not is_points(r)]
     return Roster(columns, rows, {c: (v or "").strip() for c, v in points.items()
                                   if c and c != columns[0] and (v or "").strip()})
 
