@@ -204,10 +204,12 @@ def test_a_roster_row_keeps_its_own_name_and_the_stranger_is_decorated(tmp_path)
     (tmp_path / "class" / "bob_101_11_toy.ipynb").write_text(notebook(5))
     (tmp_path / "class" / "bob" / "toy.ipynb").write_text(notebook(0))
     roster = read_roster_text(tmp_path, "Student,ID,SIS Login ID\n\"Builder, Bob\",101,bbuilder\n")
-    found, rows, _ = identify(find_submissions([tmp_path / "class"], keyed=False), roster)
+    found, rows, notices = identify(find_submissions([tmp_path / "class"], keyed=False), roster)
     assert sorted((s.student, s.path.name) for s in found) == [
         ("bob", "bob_101_11_toy.ipynb"), ("bob_", "toy.ipynb")]
     assert list(rows) == ["bob"] and rows["bob"]["ID"] == "101"
+    assert notices == ["not in the roster: bob_: no roster rows have the name 'bob'; graded "
+                       "under its own name, in no row"]
 
 
 def test_the_other_notebooks_of_a_lab_are_named_five_at_most():

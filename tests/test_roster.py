@@ -228,7 +228,7 @@ def test_both_nguyens_hand_in_and_a_login_folder_is_its_row(tmp_path):
     found, rows, notices = identify(subs, roster)
     assert [s.student for s in found] == ["nguyenanh", "anguyen2", "anguyen2", "nguyenanh_"]
     assert rows == {"nguyenanh": roster.rows[0], "anguyen2": roster.rows[1]}
-    assert notices == ["not in the roster: nguyenanh: no roster rows have the name "
+    assert notices == ["not in the roster: nguyenanh_: no roster rows have the name "
                        "'nguyenanh'; graded under its own name, in no row"]
 
 

@@ -167,19 +167,13 @@ def identify(found: List[Submission], roster=None) -> Tuple[List[Submission], Di
     splits several ways is the roster's row whose ``Student``, written as Canvas writes it
     (:func:`~.lms.canvas_name`), is the name of exactly one split; else it is graded under
     its own name, in no row. A student's notebooks past :data:`MAX_NOTEBOOKS` are listed."""
-    whom, notices, found = [], [], [_resolve(sub, roster) for sub in found]
+    whom, whys, found = [], [], [_resolve(sub, roster) for sub in found]
     for sub in found:
         row, why = (roster.match(sub.student, sub.uid) if roster and not sub.ambiguous
                     else (None, ""))
         whom.append(("row", row) if row is not None else ("uid", sub.uid) if sub.uid
                     else ("name", sub.student))
-        notice = f"not in the roster: {sub.student}: {why}; graded under its own name, in no row"
-        if sub.ambiguous:
-            ids = " or ".join(c.uid for c in sub.ambiguous)
-            notice = (f"ambiguous Canvas name: {sub.student}: the user id in its file's name "
-                      f"may be {ids}; graded under its own name, in no row")
-        if (why or sub.ambiguous) and notice not in notices:
-            notices.append(notice)
+        whys.append(why)
     name: Dict[tuple, str] = {}
     for sub, w in zip(found, whom):
         name[w] = min(name.get(w, sub.student), sub.student)
@@ -194,7 +188,15 @@ def identify(found: List[Submission], roster=None) -> Tuple[List[Submission], Di
             while key[w] in taken:
                 key[w] += "_"
             taken.add(key[w])
-    rows = {key[w]: roster.rows[w[1]] for w in name if w[0] == "row"}
+    rows, notices = {key[w]: roster.rows[w[1]] for w in name if w[0] == "row"}, []
+    for sub, w, why in zip(found, whom, whys):
+        notice = f"not in the roster: {key[w]}: {why}; graded under its own name, in no row"
+        if sub.ambiguous:
+            ids = " or ".join(c.uid for c in sub.ambiguous)
+            notice = (f"ambiguous Canvas name: {key[w]}: the user id in its file's name "
+                      f"may be {ids}; graded under its own name, in no row")
+        if (why or sub.ambiguous) and notice not in notices:
+            notices.append(notice)
     return _capped([sub._replace(student=key[w]) for sub, w in zip(found, whom)]), rows, notices
 
 
