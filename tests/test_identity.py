@@ -225,3 +225,21 @@ def test_a_student_named_points_possible_is_a_student(tmp_path):
     roster = read_roster_text(tmp_path, "Student,ID,toy (1)\n    Points Possible,,5\n"
                                         "Points Possible,77,3\n")
     assert [r["ID"] for r in roster.rows] == ["77"] and roster.points == {"toy (1)": "5"}
+
+
+def test_one_canvas_id_is_in_one_row_of_the_import(tmp_path):
+    """H1: a book made without identify, where two students carry Bob's id: Bob's row has
+    his score; the other is added without an id, and warned."""
+    from mgpu_lab.course.classroom.lms import write_canvas_csv
+    book = Gradebook([fake_grade_of("bob", "a.ipynb", 5, ("101", "11")),
+                      fake_grade_of("eve", "b.ipynb", 0, ("101", "12")),
+                      fake_grade_of("zed", "c.ipynb", 1)], {"toy": 5})
+    strangers, warnings = write_canvas_csv(book, tmp_path / "c.csv",
+                                           read_roster_text(tmp_path, ROSTER))
+    with open(tmp_path / "c.csv", newline="") as f:
+        rows = [r[:2] + r[5:] for r in list(csv.reader(f))[2:]]
+    assert rows == [["Builder, Bob", "101", "5"], ["Mal, Mallory", "202", "1"],
+                    ["eve", "", "0"], ["zed", "", "1"]]
+    assert strangers == ["eve", "zed"]
+    assert [w for w in warnings if "Canvas id" in w] == [
+        "eve: the Canvas id 101 is another row's already: written without an id"]

@@ -163,10 +163,10 @@ def identify(found: List[Submission], roster=None) -> Tuple[List[Submission], Di
     student is a Canvas user id or, without an id, a name. A student's name is the first
     of its submissions' names; a name two students share gets ``_`` and an id (the Canvas
     user id, the row's ID; a folder's name: ``_``) on all but one: a roster row's, else the
-    one of that exact name. A file whose Canvas name
-    splits several ways is the roster's row whose ``Student``, written as Canvas writes it
-    (:func:`~.lms.canvas_name`), is the name of exactly one split; else it is graded under
-    its own name, in no row. A student's notebooks past :data:`MAX_NOTEBOOKS` are listed."""
+    one of that exact name. A file whose Canvas name splits several ways is the roster's
+    row whose ``Student``, written as Canvas writes it (:func:`~.lms.canvas_name`), is the
+    name of exactly one split; else it is graded under its own name, in no row. A
+    student's notebooks past :data:`MAX_NOTEBOOKS` are listed, not graded."""
     whom, whys, found = [], [], [_resolve(sub, roster) for sub in found]
     for sub in found:
         row, why = (roster.match(sub.student, sub.uid) if roster and not sub.ambiguous

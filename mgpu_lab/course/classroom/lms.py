@@ -7,9 +7,9 @@
   share a name), ``uid`` is the Canvas user id that a roster matches, ``attid`` the id of
   the submission's file (Canvas's ``ContentZipper``). :mod:`.handins` reads them once, for
   a download's flat file only; the exports below use what it decided. :func:`unpack_zip`
-  extracts a download's files (a zip a student uploaded is unpacked by :mod:`.handins`). A download holds each student's latest
-  submission only, and its files' times are when Canvas made the zip, not when they were
-  handed in.
+  extracts a download's files (a zip a student uploaded is unpacked by :mod:`.handins`).
+  A download holds each student's latest submission only, and its files' times are when
+  Canvas made the zip, not when they were handed in.
 - **A roster** (``--roster roster.csv``, :func:`read_roster`): Canvas's gradebook export
   as it comes, or any CSV with a header. A submission is a row's (:meth:`Roster.match`)
   by its Canvas user id, else by a login (:data:`LOGINS`), else by a display name that
@@ -370,7 +370,7 @@ def write_canvas_csv(book, path, roster: Optional[Roster] = None,
         if student not in seen:
             strangers.append(student)
             uid = _uid(book, student) or ""
-            if uid in ids:              # one Canvas id, one row
+            if uid and uid in ids:      # one Canvas id, one row
                 warnings.append(f"{student}: the Canvas id {uid} is another row's already: "
                                 "written without an id")
                 uid = ""
