@@ -20,8 +20,8 @@ import pytest
 
 from mgpu_lab.cli import main as cli
 from mgpu_lab.course.classroom.gradebook import Gradebook
-from mgpu_lab.course.classroom.lms import (Roster, canvas_columns, names_lab, read_roster,
-                                 write_canvas_csv, write_canvas_feedback)
+from mgpu_lab.course.classroom.lms import (Roster, canvas_columns, canvas_file, names_lab,
+                                 read_roster, write_canvas_csv, write_canvas_feedback)
 from mgpu_lab.course.grading.scoring import ExerciseScore, NotebookGrade
 
 LAB6, LAB0 = "06_gradient_accumulation", "00_setup"
@@ -36,8 +36,9 @@ EXPORT = """Student,ID,SIS User ID,SIS Login ID,Section,HW2 (5010),Lab 6: Gradie
 
 def grade(student, lab, score, maximum, path=None):
     path = path or f"{student}_{ {'doejane': 101, 'smithjohn': 102}.get(student, 1)}_9{lab[:2]}_lab.ipynb"
-    return NotebookGrade(path, Path(path).name, student, lab,
-                         [ExerciseScore("ex1", score, maximum - 1, title="Your *first* `step`"),
+    ids = canvas_file(path)              # as handins decides it, for a download's flat file
+    return NotebookGrade(path, Path(path).name, student, lab, canvas=ids and (ids.uid, ids.subid),
+                         exercises=[ExerciseScore("ex1", score, maximum - 1, title="Your *first* `step`"),
                           ExerciseScore("ex2", 0, 1, "AssertionError", "loss <b>off</b> by 2\x1b[31m")])
 
 

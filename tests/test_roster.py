@@ -226,9 +226,9 @@ def test_both_nguyens_hand_in_and_a_login_folder_is_its_row(tmp_path):
             Submission("anguyen2", Path("anguyen2/lab06.ipynb")),
             Submission("nguyenanh", Path("nguyenanh/lab.ipynb"))]
     found, rows, notices = identify(subs, roster)
-    assert [s.student for s in found] == ["nguyenanh_300", "anguyen2", "anguyen2", "nguyenanh"]
-    assert rows == {"nguyenanh_300": roster.rows[0], "anguyen2": roster.rows[1]}
-    assert notices == ["not in the roster: nguyenanh: no roster rows have the name "
+    assert [s.student for s in found] == ["nguyenanh", "anguyen2", "anguyen2", "nguyenanh_"]
+    assert rows == {"nguyenanh": roster.rows[0], "anguyen2": roster.rows[1]}
+    assert notices == ["not in the roster: nguyenanh_: no roster rows have the name "
                        "'nguyenanh'; graded under its own name, in no row"]
 
 
@@ -236,7 +236,7 @@ def test_canvas_csv_of_a_book_made_without_identify_matches_by_id_too(tmp_path):
     from mgpu_lab.course.classroom.gradebook import Gradebook
     from mgpu_lab.course.classroom.lms import write_canvas_csv
     (tmp_path / "r.csv").write_text(ROSTER)
-    book = Gradebook([fake_grade_of("nguyenanh", "nguyenanh_301_1_toy.ipynb", 5),
+    book = Gradebook([fake_grade_of("nguyenanh", "nguyenanh_301_1_toy.ipynb", 5, ("301", "1")),
                       fake_grade_of("Bob", "Bob/toy.ipynb", 0),
                       fake_grade_of("bob", "bob/toy.ipynb", 5)], {"toy": 5})
     strangers, _ = write_canvas_csv(book, tmp_path / "canvas.csv", read_roster(tmp_path / "r.csv"))
@@ -246,9 +246,9 @@ def test_canvas_csv_of_a_book_made_without_identify_matches_by_id_too(tmp_path):
     assert rows[("Builder, Bob", "101")] == "5" and rows[("Bob", "")] == "0"
 
 
-def fake_grade_of(student, path, score):
+def fake_grade_of(student, path, score, canvas=None):
     return NotebookGrade(path, Path(path).name, student, "toy",
-                         [ExerciseScore("add_test", float(score), 5.0)])
+                         [ExerciseScore("add_test", float(score), 5.0)], canvas=canvas)
 
 
 def test_a_download_s_file_names_in_any_bytes_and_length(tmp_path):

@@ -37,15 +37,19 @@ def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
                      max(timeout, JUDGE_TIMEOUT))
 
     def one(item):
-        student, path, folder, _, problem = (tuple(item) + (None,) * 3)[:5]
+        student, path, folder, uid, problem, subid = (tuple(item) + (None,) * 4)[:6]
+        canvas = (uid, subid) if uid and subid else None    # decided once, by handins
         if problem:                       # stored so that it cannot be graded: said so
-            return NotebookGrade(str(path), Path(path).name, student, error=problem)
+            return NotebookGrade(str(path), Path(path).name, student, error=problem,
+                                 canvas=canvas)
         try:
-            return grade_notebook(path, labs, student, box, limits, timeout, total_timeout,
-                                  pool, folder)
+            grade = grade_notebook(path, labs, student, box, limits, timeout, total_timeout,
+                                   pool, folder)
         except BaseException as err:  # any failure of one notebook (SystemExit too) costs
-            return NotebookGrade(str(path), Path(path).name, student,  # that notebook only
-                                 error=f"GraderError: {type(err).__name__}: {brief(str(err))}")
+            grade = NotebookGrade(str(path), Path(path).name, student,  # that notebook only
+                                  error=f"GraderError: {type(err).__name__}: {brief(str(err))}")
+        grade.canvas = canvas
+        return grade
 
     bar = None
     if progress:
@@ -97,7 +101,8 @@ def _cmd_grade(args) -> int:
         return usage("--assignment goes with --canvas (it names the lab's column in Canvas's import)")
     with tempfile.TemporaryDirectory(prefix="mgpu-lab-downloads-") as unpacked:
         try:
-            submissions, rows, notices = identify(find_submissions(args.paths, unpacked), roster)
+            found = find_submissions(args.paths, unpacked, keyed=False)
+            submissions, rows, notices = identify(found, roster)
             labs = load_solutions(solutions)
             if args.lab:
                 submissions, labs = only_labs(submissions, labs, args.lab)

@@ -77,7 +77,8 @@ class Gradebook:
         counted, others = order[0], order[1:]
         if others:
             what = "best score" if self.policy == "best" else "latest"
-            also = ", ".join(f"{Path(o.path).name} ({o.score:g})" for o in others)
+            also = ", ".join(f"{Path(o.path).name} ({o.score:g})" for o in others[:5])
+            also += f" and {len(others) - 5} more" if len(others) > 5 else ""
             _note(counted, f"this notebook counts: the {what} of the {len(notebooks)} handed "
                            f"in for {counted.lab} (policy {self.policy}; also {also})")
             for o in others:

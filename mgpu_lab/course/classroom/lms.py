@@ -2,13 +2,14 @@
 
 - **A Canvas submissions download as it comes**: the zip (or its unzipped folder) of
   files named ``name_uid_attid_file`` (``name_LATE_uid_attid_file`` when late;
-  ``lab-1.ipynb`` when re-uploaded): :func:`canvas_file` reads such a name: the student
-  is ``name`` (``name_uid`` where two students share a name), ``uid`` is the Canvas user
-  id that a roster matches, ``attid`` the id of the submission's file (Canvas's
-  ``ContentZipper``). :func:`unpack_zip` extracts a download's files (a zip a student
-  uploaded is unpacked by :mod:`.handins`). A download holds each student's latest
-  submission only, and its files' times are when Canvas made the zip, not when they were
-  handed in.
+  ``lab-1.ipynb`` when re-uploaded): :func:`canvas_files` reads such a name (every split:
+  a name can end in digits): the student is ``name`` (``name_uid`` where two students
+  share a name), ``uid`` is the Canvas user id that a roster matches, ``attid`` the id of
+  the submission's file (Canvas's ``ContentZipper``). :mod:`.handins` reads them once, for
+  a download's flat file only; the exports below use what it decided. :func:`unpack_zip`
+  extracts a download's files (a zip a student uploaded is unpacked by :mod:`.handins`).
+  A download holds each student's latest submission only, and its files' times are when
+  Canvas made the zip, not when they were handed in.
 - **A roster** (``--roster roster.csv``, :func:`read_roster`): Canvas's gradebook export
   as it comes, or any CSV with a header. A submission is a row's (:meth:`Roster.match`)
   by its Canvas user id, else by a login (:data:`LOGINS`), else by a display name that
@@ -45,12 +46,12 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from .report import feedback_text, printable, spreadsheet_safe
 
-CANVAS_NAME = re.compile(r"^(?P<name>[^_/\\]+?)(?P<late>_late)?_(?P<uid>\d+)_(?P<subid>\d+)_"
-                         r"(?P<file>.+)$", re.I)
+CANVAS_ID = re.compile(r"[1-9][0-9]*")   # a Canvas id: ASCII digits, no leading zero
 CANVAS_IDENTITY = ["Student", "ID", "SIS User ID", "SIS Login ID", "Section"]
 LOGINS = ["SIS Login ID", "SIS User ID", "ID", "folder"]   # (and their ALIASES)
 POINTS_POSSIBLE = "    Points Possible"
 ZIP_LIMIT = 2 * 2**30              # bytes extracted from one download
+ZIP_ENTRIES = 10_000               # entries of one zip (a download, or a student's upload)
 KEPT = (".ipynb", ".zip")          # the files a download's zip gives with their bytes
 
 
@@ -63,12 +64,33 @@ class CanvasFile:
     file: str
 
 
+def canvas_files(filename: str) -> List[CanvasFile]:
+    """Every way a file's name splits as a Canvas download's ``name[_LATE]_uid_attid_file``.
+    Canvas's ``ContentZipper`` keeps a name's word characters only (lower-cased, ``_`` and
+    digits included) and joins ``_<digits>_`` inside it, but a name can still end in
+    ``_<digits>`` (``mal_101``) or hold one: then a name has several splits."""
+    parts, found = Path(filename).name.split("_"), []
+    for i in range(1, len(parts) - 2):
+        name, late = "_".join(parts[:i]), False
+        if name.upper().endswith("_LATE") or name.upper() == "LATE":
+            name, late = name[:-5] if len(name) > 4 else "", True
+        file = "_".join(parts[i + 2:])
+        if (CANVAS_ID.fullmatch(parts[i]) and CANVAS_ID.fullmatch(parts[i + 1]) and file
+                and re.fullmatch(r"\w*", name)):
+            found.append(CanvasFile(name, parts[i], parts[i + 1], late, file))
+    return found
+
+
 def canvas_file(filename: str) -> Optional[CanvasFile]:
-    """The parts of a Canvas download's file name, or None when it is not one."""
-    m = CANVAS_NAME.match(Path(filename).name)
-    if not m:
-        return None
-    return CanvasFile(m["name"], m["uid"], m["subid"], bool(m["late"]), m["file"])
+    """The parts of a Canvas download's file name when it splits one way only
+    (:func:`canvas_files`), else None."""
+    found = canvas_files(filename)
+    return found[0] if len(found) == 1 else None
+
+
+def canvas_name(sortable_name: str) -> str:
+    """A user's (sortable) name as Canvas's ``ContentZipper`` writes it into a file's name."""
+    return re.sub(r"\W", "", re.sub(r"_([0-9]+)_", r"\1", sortable_name).lower())
 
 
 def unpack_zip(path, dest, prefix: str = "", limit: int = ZIP_LIMIT) -> Path:
@@ -80,6 +102,8 @@ def unpack_zip(path, dest, prefix: str = "", limit: int = ZIP_LIMIT) -> Path:
     dest, total = Path(dest), 0
     dest.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(path) as z:
+        if len(z.infolist()) > ZIP_ENTRIES:
+            raise ValueError(f"{path}: more than {ZIP_ENTRIES} files in one zip")
         for info in z.infolist():
             name = Path(info.filename.replace("\\", "/")).name
             if info.is_dir() or not name or name.startswith("."):
@@ -156,8 +180,8 @@ def value(row: Dict[str, str], column: str) -> Optional[str]:
 
 
 def read_roster(path) -> Roster:
-    """A roster CSV (Canvas's gradebook export as it comes: its "Points Possible" and
-    muted-assignment rows are skipped)."""
+    """A roster CSV (Canvas's gradebook export as it comes: its "Points Possible" row, which
+    has no ID, and muted-assignment rows are skipped)."""
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         columns = list(reader.fieldnames or [])
@@ -165,8 +189,9 @@ def read_roster(path) -> Roster:
     if not columns:
         raise ValueError(f"{path}: an empty roster (a CSV with a header is needed)")
     first = lambda r: (r.get(columns[0]) or "").strip()  # noqa: E731
-    points = next((r for r in every if first(r) == "Points Possible"), {})
-    rows = [r for r in every if first(r) not in ("Points Possible", "")]
+    is_points = lambda r: first(r) == "Points Possible" and not value(r, "ID")  # noqa: E731
+    points = next((r for r in every if is_points(r)), {})
+    rows = [r for r in every if first(r) and not is_points(r)]
     return Roster(columns, rows, {c: (v or "").strip() for c, v in points.items()
                                   if c and c != columns[0] and (v or "").strip()})
 
@@ -336,6 +361,7 @@ def write_canvas_csv(book, path, roster: Optional[Roster] = None,
     identity = CANVAS_IDENTITY
     rows, seen, strangers = [], set(), []
     matched = book.roster_rows or (_rows_of(book, roster) if roster else {})
+    ids = {(value(row, "ID") or "").strip() for row in (roster.rows if roster else [])}
     for row in (roster.rows if roster else []):
         student = next((s for s, r in matched.items() if r is row), None)
         seen.add(student)
@@ -344,6 +370,11 @@ def write_canvas_csv(book, path, roster: Optional[Roster] = None,
         if student not in seen:
             strangers.append(student)
             uid = _uid(book, student) or ""
+            if uid and uid in ids:      # one Canvas id, one row
+                warnings.append(f"{student}: the Canvas id {uid} is another row's already: "
+                                "written without an id")
+                uid = ""
+            ids.add(uid)
             rows.append(([student, uid, "", "", ""], student, {}))
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
@@ -370,35 +401,38 @@ def _rows_of(book, roster: Roster) -> Dict[str, Dict[str, str]]:
 
 
 def _uid(book, student: str) -> Optional[str]:
-    for g in book.grades:
-        if g.student == student:
-            found = canvas_file(g.path)
-            if found:
-                return found.uid
-    return None
+    """The Canvas user id that :mod:`.handins` gave a student's notebooks (one, or None)."""
+    uids = {g.canvas[0] for g in book.grades if g.student == student and g.canvas}
+    return uids.pop() if len(uids) == 1 else None
 
 
 def write_canvas_feedback(book, folder) -> Tuple[List[Path], List[str]]:
     """``folder/<lab>.zip`` for each lab: a plain-text feedback file per counted notebook
     of a Canvas download, named ``name_uid_attid_feedback.txt`` (the ids of the file it
-    came as), which Canvas's "Re-Upload Submissions" of that lab's assignment attaches as
-    a comment to that student's submission. ``(zips written, notebooks left out and
-    why)``: those with no Canvas ids in their names."""
+    came as, that :mod:`.handins` read once: a download's flat file), which Canvas's
+    "Re-Upload Submissions" of that lab's assignment attaches as a comment to that
+    student's submission. ``(zips written, notebooks left out and why)``: those with no
+    Canvas ids, and a second notebook of the same ids (never one file for two)."""
     folder, written, skipped = Path(folder), [], []
     folder.mkdir(parents=True, exist_ok=True)
     for lab in book.labs:
-        files = {}
+        files, ids = {}, set()
         for student in book.students:
             g = book.counted(student, lab)
             if g is None:
                 continue
-            found = canvas_file(g.path)
-            if found is None:
-                skipped.append(f"{g.path} ({student}, {lab}): not named as a Canvas download "
-                               "names it (name_uid_attid_file): Canvas could not tell whose it is")
+            if g.canvas is None:
+                skipped.append(f"{g.path} ({student}, {lab}): no Canvas ids (only a download's "
+                               "flat file name_uid_attid_file, not in a student's folder, not "
+                               "ambiguous, has them): Canvas could not tell whose it is")
                 continue
-            name = found.name if not found.name.isdigit() else "student"
-            files[f"{name}_{found.uid}_{found.subid}_feedback.txt"] = feedback_text(student, lab, g)
+            if g.canvas in ids:
+                skipped.append(f"{g.path} ({student}, {lab}): another notebook has its Canvas "
+                               f"ids ({'_'.join(g.canvas)}): this one is left out")
+                continue
+            ids.add(g.canvas)
+            who = re.sub(r"[^a-z]", "", student.lower())[:40] or "student"   # no digits
+            files[f"{who}_{'_'.join(g.canvas)}_feedback.txt"] = feedback_text(student, lab, g)
         if files:
             path = folder / f"{lab}.zip"
             with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:

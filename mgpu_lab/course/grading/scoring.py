@@ -70,6 +70,7 @@ class NotebookGrade:
     tampering: List[str] = field(default_factory=list)   # what the static pass flagged
     version: str = ""                      # the lab version it was graded against
     submitted_at: float = 0.0              # the file's modification time (policy "latest")
+    canvas: Optional[Tuple[str, str]] = None   # (user id, file id) of a Canvas download's file
 
     @property
     def score(self) -> float:
