@@ -27,8 +27,8 @@ the CPU they leave, and the tests here run last, when it is done. Under pytest-x
 
 **Each lab's whole solution** scores full marks in Gradescope's default container: beside
 the mutation run, each selected lab's solution is graded alone (``mgpu-lab grade --jobs 1``)
-inside a memory cgroup of :data:`MEMORY_MIB` (768 MiB, no swap; a lab the export says needs
-more, what it says: :func:`limit_mib`) that holds the whole run: grader, judge, warm zygote,
+inside a memory cgroup of :data:`MEMORY_MIB` (768 MiB, no swap; every lab, lab 03's torchrun
+check included) that holds the whole run: grader, judge, warm zygote,
 runner, kernel and its ranks (:class:`MemoryRun`); no process may be killed for memory.
 Where no cgroup can be made (not root, no bubblewrap) this is skipped, saying why, unless
 ``MGPU_LAB_MUTANTS_SOLUTION=1`` (the author's loop, ``mgpu-lab labs check NN``): then the
@@ -50,7 +50,7 @@ import pytest
 from mgpu_lab.course.notebook.cells import exercise_of, graded_cells, nbgrader_meta
 from mgpu_lab.course.grading.guard import forbidden_of
 from mgpu_lab.course.notebook.notebooks import make_lab
-from mgpu_lab.course.classroom.export import GRADESCOPE_MIB, NEEDS_MIB
+from mgpu_lab.course.classroom.export import GRADESCOPE_MIB
 from mgpu_lab.course.grading.sandbox import probe
 from conftest import ROOT, SUMMARY
 from mutants import KINDS, all_mutants
@@ -247,7 +247,7 @@ class MemoryRun:
         subprocess.run([sys.executable, "-c", DAEMON, str(self.folder / "log"), str(self.rc),
                         str(self.folder / "pid"), str(NICE), sys.executable, "-c", MEMORY_DAEMON,
                         json.dumps([str(self.folder), self.labs, grade,
-                                    {lab: limit_mib(lab) if self.limited else None
+                                    {lab: MEMORY_MIB if self.limited else None
                                      for lab in self.labs}])],
                        check=True)
 
@@ -264,12 +264,6 @@ class MemoryRun:
         notebooks = json.loads((self.folder / f"{lab}.json").read_text())["notebooks"] \
             if (self.folder / f"{lab}.json").exists() else []
         return (notebooks[0] if notebooks else None), stats
-
-
-def limit_mib(lab: str) -> int:
-    """The memory a lab's grading is held to: Gradescope's default, or what the export says
-    the lab needs (``NEEDS_MIB``: lab 03's check runs torchrun, three fresh interpreters)."""
-    return NEEDS_MIB.get(lab, MEMORY_MIB)
 
 
 # Grades each lab's solution in a memory cgroup of its own (argv: [folder, labs, the grade
@@ -426,7 +420,7 @@ def test_each_mutant_scores_zero_on_its_exercise_and_the_others_keep_full_marks(
 @pytest.mark.timeout(MUTATION_RUN_TIMEOUT)
 @pytest.mark.parametrize("lab", LABS)
 def test_each_solution_scores_full_marks_within_768_mib_for_grader_judge_and_kernel(lab, request):
-    """Gradescope's default container (768 MiB; lab 03: what the export says it needs): the
+    """Gradescope's default container (768 MiB, every lab): the
     whole grading of the lab's solution (grader, judge, kernel and its ranks) in a memory
     cgroup of that size, no process killed for memory, full marks (docs/INSTRUCTORS.md has
     each lab's peak)."""
@@ -443,8 +437,8 @@ def test_each_solution_scores_full_marks_within_768_mib_for_grader_judge_and_ker
             for e in nb["exercises"] if e["score"] != e["max_score"]]
     assert not lost and nb["score"] == nb["max_score"] > 0, f"{lab}: the solution lost points: {lost}"
     if memory.limited:
-        assert stats["limit_mib"] == limit_mib(lab) and stats["oom_kills"] == 0, \
-            f"{lab}: killed for memory in {limit_mib(lab)} MiB: {stats}"
+        assert stats["limit_mib"] == MEMORY_MIB and stats["oom_kills"] == 0, \
+            f"{lab}: killed for memory in {MEMORY_MIB} MiB: {stats}"
 
 
 @pytest.mark.slow

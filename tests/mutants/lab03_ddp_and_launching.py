@@ -362,11 +362,11 @@ def the_single_script_with_its_own_data(solution):
 
 @mutant("ex6_ddp_script", "tamper")
 def fakes_the_torchrun_run(solution):
-    "subprocess.run replaced by a fake torchrun that prints DDP's JSON lines, and no script"
+    "torchrun (torch.distributed.run.main, which the check runs forked from the kernel) replaced by a fake that prints DDP's JSON lines, and no script"
     return """
-import subprocess
+import torch.distributed.run
 from pathlib import Path
 Path("lab03_ddp.py").write_text("def main():\\n    raise NotImplementedError\\n")
 line = '{"world_size": 2, "per_rank_batch": 8, "global_batch": 16, "steps_per_epoch": 4, "val_mse": 0.6, "val_count": 25}'
-subprocess.run = lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, stdout=line + "\\n" + line + "\\n", stderr="")
+torch.distributed.run.main = lambda args=None: print(line + "\\n" + line)
 """
