@@ -346,3 +346,17 @@ def pytest_collection_modifyitems(session, config, items):
     mutants = sys.modules.get("test_mutants")
     if mutants is not None:
         mutants.start_beside(config, items)
+
+
+def exercise_cell(grade_id: str, body: str):
+    """A toy lab's exercise cell (nbgrader's solution metadata), for the grader's tests."""
+    from nbformat.v4 import new_code_cell
+    return new_code_cell(body, metadata={"nbgrader": {"grade_id": grade_id, "solution": True,
+                                                      "grade": False, "points": 0}})
+
+
+def check_cell(grade_id: str, source: str, points: int = 1):
+    """A toy lab's graded cell (inputs, ``### PROBE``, ``### JUDGE``), for the grader's tests."""
+    from nbformat.v4 import new_code_cell
+    return new_code_cell(source, metadata={"nbgrader": {"grade_id": grade_id, "grade": True,
+                                                        "solution": False, "points": points}})

@@ -9,6 +9,7 @@ from mgpu_lab.cli import main as cli
 from mgpu_lab.course.grading.hidden import WITHHELD, failure, hidden_lines, shows_hidden
 from mgpu_lab.course.grading.scoring import verdict_text
 from mgpu_lab.course.notebook.notebooks import make_lab
+from conftest import check_cell as check, exercise_cell as exercise
 from test_grader import UNSANDBOXED_IF_NEEDED, write
 
 MUL_TEST = '''cases = [(2, 3)]
@@ -38,13 +39,6 @@ ratio = 1 / (far + 123457)
 
 
 def secret_lab():
-    def exercise(gid, body):
-        return new_code_cell(body, metadata={"nbgrader": {"grade_id": gid, "solution": True,
-                                                          "grade": False, "points": 0}})
-
-    def check(gid, source):
-        return new_code_cell(source, metadata={"nbgrader": {"grade_id": gid, "grade": True,
-                                                            "solution": False, "points": 1}})
     return new_notebook(metadata={"mgpu_lab": {"lab": "secret"}}, cells=[
         new_code_cell("import math", metadata={"tags": ["setup"]}),
         exercise("mul", "def mul(a, b):\n    ### BEGIN SOLUTION\n    return a * b\n    ### END SOLUTION"),

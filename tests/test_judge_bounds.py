@@ -13,6 +13,7 @@ from mgpu_lab.course.grading import sandbox
 from mgpu_lab.course.grading.judge import MEMORY_MESSAGE, JudgeError
 from mgpu_lab.course.grading.session import Judges
 from mgpu_lab.course.notebook.notebooks import make_lab
+from conftest import check_cell as check, exercise_cell as exercise
 from test_grader import UNSANDBOXED_IF_NEEDED, write
 
 CGROUP = sandbox.cgroup_kind()
@@ -37,13 +38,6 @@ EXPECTED_LIMIT = 2 * 2**30 if CGROUP else None         # --memory 2
 def bounds_lab():
     """Two exercises: f's judge broadcasts the answer against a (32768,) reference (an answer
     shaped (32768, 1), 128 KiB, makes it allocate 4 GiB); g's is ordinary."""
-    def exercise(gid, body):
-        return new_code_cell(body, metadata={"nbgrader": {"grade_id": gid, "solution": True,
-                                                          "grade": False, "points": 0}})
-
-    def check(gid, source):
-        return new_code_cell(source, metadata={"nbgrader": {"grade_id": gid, "grade": True,
-                                                            "solution": False, "points": 1}})
     return new_notebook(metadata={"mgpu_lab": {"lab": "bounds"}}, cells=[
         new_code_cell(JUDGE_CGROUP, metadata={"tags": ["setup"]}),
         exercise("f", "def f(x):\n    ### BEGIN SOLUTION\n    return x * 2\n    ### END SOLUTION"),

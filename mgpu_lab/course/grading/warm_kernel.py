@@ -134,13 +134,7 @@ def _enter(req: StartKernel, report: int, own: List[int]) -> None:
     """The fork's parent half, outside: join the sandbox, fork the kernel inside, exit."""
     libc = ctypes.CDLL(None, use_errno=True)
     if req.user:                 # no sandbox: the kernel is the user's process, beside the runner
-        if os.fork() == 0:
-            try:
-                _become_kernel(req, report, own, libc)
-            except BaseException as err:
-                os.write(report, f"{type(err).__name__}: {err}"[:500].encode())
-            os._exit(1)
-        os._exit(0)
+        _fork_kernel(req, report, own, libc)
 
     def setns(fd: int, kind: str) -> None:
         if libc.setns(fd, CLONE[kind]) != 0:
@@ -164,6 +158,12 @@ def _enter(req: StartKernel, report: int, own: List[int]) -> None:
         setns(fds["user"], "user")
     for fd in [owner, *fds.values()]:
         os.close(fd)
+    _fork_kernel(req, report, own, libc)
+
+
+def _fork_kernel(req: StartKernel, report: int, own: List[int], libc) -> None:
+    """Fork the kernel (inside the sandbox's PID namespace, when joined) and end this half: the
+    kernel's parent is then the namespace's init, or the grader's."""
     if os.fork() == 0:
         try:
             _become_kernel(req, report, own, libc)
