@@ -144,6 +144,11 @@ TAMPERING = [
     ("g = fn.__globals__", "uses .__globals__"),
     ("import ctypes", "uses ctypes"),
     ("globals()['torch'] = None", "reads globals()"),
+    ("vars(torch).update(equal=max)", "takes torch's namespace"),
+    ("torch.__dict__['allclose'] = min", "takes torch's namespace"),
+    ("ns = vars(mgpu_lab)", "takes mgpu_lab's namespace"),
+    ("del vars(torch)['equal']", "takes torch's namespace"),
+    ("vars()['torch'] = None", "reads vars()"),
 ]
 HEADER = "import torch, sys, builtins, importlib, mgpu_lab\nfrom torch import Tensor\n"
 
@@ -164,6 +169,8 @@ def test_each_kind_of_tampering_is_found(line, what):
     "r = object.__new__(object)\nsetattr(r, 'x', 1)",
     "f = getattr(torch, 'zeros')",
     "x = [1]\nx[0] = 2",
+    "f = vars(torch)['zeros']",
+    "net = torch.nn.Linear(2, 2)\nstate = vars(net)\nkeys = list(torch.__dict__.keys())",
 ])
 def test_ordinary_code_is_not_tampering(line):
     assert findings(HEADER + line, {}) == []

@@ -127,7 +127,7 @@ def zero_redundancy_optimizer_made_in_a_thread(solution):
     return body(solution, """
         from concurrent.futures import ThreadPoolExecutor
         import torch.distributed.optim as optimizers
-        cache = vars(dist).setdefault("_lab10_cache", {})
+        cache = sharded_step.__dict__.setdefault("cache", {})
         if "zero" not in cache:
             make = vars(optimizers)["ZeroRedundancy" + "Optimizer"]
             with ThreadPoolExecutor(1) as pool:

@@ -15,8 +15,10 @@ this pass flags, in every code cell the learner wrote or edited:
 - running built strings: ``exec``, ``eval``, ``compile``, ``__import__`` of a
   non-literal; ``getattr`` of a computed name on a module;
 - frames, code objects and raw memory: ``sys._getframe``, ``inspect.currentframe``,
-  ``f_back``/``f_globals``/``__code__``/``__globals__``, ``globals()``, ``ctypes``,
+  ``f_back``/``f_globals``/``__code__``/``__globals__``, ``globals()``, ``vars()``, ``ctypes``,
   ``gc.get_objects``;
+- an imported name's namespace (``vars(torch)``, ``torch.__dict__``) used for anything but
+  reading one entry (``vars(torch)["equal"] = ...``, ``.update(...)``, kept in a name);
 - rebinding a name a check's probe uses (``launch``, ``torch``, a helper the lab
   gives): the probe would call the learner's stand-in instead of the real thing;
 - a solution that reads a check's inputs (``batch``) as a global instead of
@@ -44,6 +46,9 @@ FORBIDDEN_NAMES = {"sys.modules": "touches sys.modules", "__builtins__": "touche
                    "inspect.currentframe": "reads frames", "inspect.stack": "reads frames",
                    "gc.get_objects": "walks every object", "gc.get_referrers": "walks every object",
                    "ctypes": "uses ctypes (raw memory)", "globals": "reads globals()"}
+# Reading one entry of a module's namespace (``vars(m)[k]``, ``.get``, the views) is
+# ``getattr`` by another name; anything else (a store, ``update``, a name holding it) can patch it.
+NAMESPACE_READS = {"get", "items", "keys", "values"}
 FRAME_ATTRS = {"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame", "gi_frame",
                "__code__", "__globals__", "__closure__"}
 
@@ -56,6 +61,23 @@ def _imported(node, aliases: Mapping[str, str]):
     if not (isinstance(root, ast.Name) and root.id in aliases):
         return None
     return dotted(node, aliases) or aliases[root.id]
+
+
+def _namespace_of(node, aliases: Mapping[str, str]):
+    """The imported name whose namespace ``node`` is (``vars(torch)``, ``torch.__dict__``), or None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars" \
+            and len(node.args) == 1:
+        return _imported(node.args[0], aliases)
+    if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+        return _imported(node.value, aliases)
+    return None
+
+
+def _reads_one_entry(node, parent) -> bool:
+    """``node`` (a namespace) only read: ``ns[k]`` loaded, or ``ns.get/items/keys/values``."""
+    if isinstance(parent, ast.Subscript) and parent.value is node:
+        return isinstance(parent.ctx, ast.Load)
+    return isinstance(parent, ast.Attribute) and parent.value is node and parent.attr in NAMESPACE_READS
 
 
 def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
@@ -96,6 +118,11 @@ def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
             elif func in GET_IPYTHON:
                 if not (isinstance(parent, ast.Attribute) and parent.attr in MAGICS):
                     flag(node, "reaches into IPython (get_ipython())")
+        namespace = _namespace_of(node, aliases)
+        if namespace and not _reads_one_entry(node, parent):
+            flag(node, f"takes {namespace}'s namespace (vars()/__dict__) for more than reading one entry")
+        if isinstance(node, ast.Call) and (dotted(node.func, aliases) or "") == "vars" and not node.args:
+            flag(node, "reads vars()")
         if isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS:
             flag(node, f"uses .{node.attr}")
         if isinstance(node, (ast.Name, ast.Attribute)) and not isinstance(parent, ast.Attribute):
