@@ -266,3 +266,33 @@ def test_h4_the_judge_runs_under_a_memory_limit(tmp_path):
         assert loads(ship["limit"]) == 6 * 2**30
     finally:
         j.close()
+
+
+def test_a_run_keeps_at_most_keep_zygotes_and_a_closed_labs_judges_go_on(tmp_path):
+    """A judge pool holds ``keep`` labs' zygotes at most (the least recently used is closed);
+    a judge forked before its zygote was closed still answers, and a lab that comes back
+    gets a zygote again."""
+    from mgpu_lab.course.grading.judge_pool import JudgePool
+    from mgpu_lab.course.grading.session import JUDGE_TIMEOUT, judge_environment
+    pool = JudgePool(judge_environment, JUDGE_TIMEOUT, keep=2)
+    homes = iter(tmp_path / str(i) for i in range(10))
+
+    def judge(lab):
+        home = next(homes)
+        home.mkdir()
+        return pool.judge([f"LAB = {lab}"], str(home))
+
+    try:
+        first = judge(1)
+        first_zygote = pool.zygotes[("LAB = 1",)]
+        judge(2), judge(3)                                   # lab 1's zygote is the oldest: closed
+        assert list(pool.zygotes) == [("LAB = 2",), ("LAB = 3",)]
+        assert first_zygote.proc.poll() is not None
+        first.inputs("t", "x = 1")
+        assert first.verdict("t", "assert LAB == 1 and x == 1", {}, []).ok
+        again = judge(1)
+        again.inputs("t", "x = 2")
+        assert again.verdict("t", "assert LAB == 1 and x == 2", {}, []).ok
+        assert list(pool.zygotes) == [("LAB = 3",), ("LAB = 1",)]
+    finally:
+        pool.close()

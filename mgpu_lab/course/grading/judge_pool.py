@@ -178,11 +178,18 @@ class Zygote:
 class JudgePool:
     """The zygotes of a grading run, one per lab (its setup cells), made on first use, and
     the run's warm kernels (:meth:`warm_kernels`), whose zygote, when there is one, forks
-    the judges' zygotes too. ``env_for(home)``: a judge's environment."""
+    the judges' zygotes too. ``env_for(home)``: a judge's environment.
 
-    def __init__(self, env_for, timeout: float):
-        self.env_for, self.timeout = env_for, timeout
-        self.zygotes: Dict[tuple, Optional[Zygote]] = {}
+    At most ``keep`` zygotes live at once (the least recently used is closed to make room;
+    its lab gets a new one when it comes back): each holds its lab's setup in memory, and a
+    run over every lab in one 768 MiB container cannot hold sixteen. A notebook's judge is
+    in its own session, so closing its lab's zygote does not end it."""
+
+    KEEP = 3
+
+    def __init__(self, env_for, timeout: float, keep: int = KEEP):
+        self.env_for, self.timeout, self.keep = env_for, timeout, max(1, keep)
+        self.zygotes: Dict[tuple, Optional[Zygote]] = {}    # least recently used first
         self.lock = threading.Lock()
         self.scratch = tempfile.mkdtemp(prefix="mgpu-lab-judges-")
         self.kernels = None
@@ -201,7 +208,14 @@ class JudgePool:
         lab's zygote, or (no zygote could be made) a fresh process that runs them itself."""
         key = tuple(setup)
         with self.lock:
-            if key not in self.zygotes:
+            if key in self.zygotes:
+                self.zygotes[key] = self.zygotes.pop(key)           # now the most recent
+            else:
+                while len(self.zygotes) >= self.keep:
+                    oldest = self.zygotes.pop(next(iter(self.zygotes)))
+                    if oldest is not None:
+                        with oldest.lock:                          # not while it forks
+                            oldest.close()
                 folder = tempfile.mkdtemp(dir=self.scratch)
                 self.zygotes[key] = None
                 for warm in ([self.kernels] if self.kernels is not None else []) + [None]:
