@@ -34,7 +34,7 @@ def grade_class(submissions, labs, box, limits, timeout, total_timeout, jobs=1,
     from ..grading.judge_pool import JudgePool
     from ..grading.session import JUDGE_TIMEOUT, judge_environment
     pool = JudgePool(lambda home: judge_environment(home, limits.memory_gib),
-                     max(timeout, JUDGE_TIMEOUT))
+                     max(timeout, JUDGE_TIMEOUT), keep=max(1, jobs))
 
     def one(item):
         student, path, folder, uid, problem, subid = (tuple(item) + (None,) * 4)[:6]

@@ -181,8 +181,9 @@ class JudgePool:
     the judges' zygotes too. ``env_for(home)``: a judge's environment.
 
     At most ``keep`` zygotes live at once (the least recently used is closed to make room;
-    its lab gets a new one when it comes back): each holds its lab's setup in memory, and a
-    run over every lab in one 768 MiB container cannot hold sixteen. A notebook's judge is
+    its lab gets a new one when it comes back; ``mgpu-lab grade`` keeps ``--jobs``): each
+    holds its lab's setup in memory, and a run over every lab in one 768 MiB container
+    cannot hold sixteen (labs 09, 10, 11 and 13 were killed for memory). A notebook's judge is
     in its own session, so closing its lab's zygote does not end it."""
 
     KEEP = 3
