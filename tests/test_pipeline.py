@@ -453,3 +453,47 @@ def _one_rank_two_stages():
 
 def test_stages_beside_each_other_on_one_rank_pass_their_tensors_without_messages():
     assert launch(_one_rank_two_stages, nprocs=1, timeout=60)[0] < TOL
+
+
+def _unequal_microbatches():
+    """A batch of 10 in 4 micro-batches (3, 3, 2, 2), on 2 ranks: GPipe, 1F1B and interleaved
+    (2 stages a rank) against the batch's mean loss in one process; torch's GPipe, one stage,
+    on the same batch."""
+    from torch.distributed import pipelining
+    rank = dist.get_rank()
+    model = _model()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(10, WIDTH, generator=g), torch.randn(10, 4, generator=g)
+    F.mse_loss(model(x), y).backward()
+    out = {}
+    for name, cls, stages in (("GPipe", ScheduleGPipe, 2), ("1F1B", Schedule1F1B, 2),
+                              ("interleaved", ScheduleInterleaved1F1B, 4)):
+        mine = [rank + 2 * i for i in range(stages // 2)]
+        modules = [_stage_module(model, s, stages) for s in mine]
+        for mod in modules:
+            mod.zero_grad()
+        built = [PipelineStage(mod, s, stages) for s, mod in zip(mine, modules)]
+        schedule = cls(built if cls is ScheduleInterleaved1F1B else built[0], 4, F.mse_loss)
+        schedule.step(x) if rank == 0 else schedule.step(target=y)
+        per = len(model) // stages
+        ref = [q.grad for s in mine for q in model[s * per:(s + 1) * per].parameters()]
+        out[name] = max((q.grad - r).abs().max().item()
+                        for q, r in zip((q for mod in modules for q in mod.parameters()), ref))
+    if rank == 0:                       # torch's, on one stage of its own (a group of one)
+        group = dist.new_group([0])
+        whole = copy.deepcopy(model)
+        whole.zero_grad()
+        stage = pipelining.PipelineStage(whole, 0, 1, torch.device("cpu"), group=group)
+        pipelining.ScheduleGPipe(stage, 4, loss_fn=F.mse_loss).step(x, target=y)
+        out["torch"] = max((q.grad - r.grad).abs().max().item() for q, r in zip(whole.parameters(), model.parameters()))
+    else:
+        dist.new_group([0])
+    return out
+
+
+def test_unequal_micro_batches_are_weighted_by_their_share_of_the_batch():
+    for rank, r in enumerate(launch(_unequal_microbatches, nprocs=2, timeout=120)):
+        for name in ("GPipe", "1F1B", "interleaved"):
+            assert r[name] < TOL, f"rank {rank}, {name}: differs from the batch's gradient by {r[name]:.3g}"
+        if rank == 0:   # torch divides by m whatever the sizes: the mean of the micro-batch means
+            assert r["torch"] > 1e-2, r["torch"]
