@@ -336,3 +336,22 @@ def test_attention_dropout_draws_per_rank_and_selective_recompute_draws_it_again
         assert recompute_diff < TOL, f"rank {rank}: recomputing the core attention changed the numbers"
         assert spread == 0, f"rank {rank}: the outputs differ across ranks"
         assert untouched, f"rank {rank}: a mask was drawn from the default generator, not the block's streams"
+
+
+def test_from_block_refuses_a_block_of_another_layout_naming_what_differs():
+    """A LLaMA-style block (RMSNorm, separate projections, SwiGLU) has no from_block path."""
+    from mgpu_lab.parallel.tensor_parallel_blocks import TransformerBlock, _block_layout_problems
+
+    class LlamaBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = torch.nn.RMSNorm(8), torch.nn.RMSNorm(8)
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(8, 8, bias=False) for _ in range(4))
+            self.w1, self.w2, self.w3 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 16)
+
+    assert _block_layout_problems(TransformerBlock(8, 2)) == []
+    with pytest.raises(TypeError) as err:
+        ParallelTransformerBlock.from_block(LlamaBlock())
+    message = str(err.value)
+    assert "norm1 is a RMSNorm, not a LayerNorm" in message and "no attn" in message
+    assert "parallelize_module" in message

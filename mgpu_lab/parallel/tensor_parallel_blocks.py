@@ -169,6 +169,21 @@ class ParallelAttention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
+def _block_layout_problems(block) -> list:
+    """What keeps ``block`` from being read as a :class:`TransformerBlock` (empty: nothing)."""
+    want = {"norm1": nn.LayerNorm, "norm2": nn.LayerNorm, "attn": nn.MultiheadAttention, "dropout": nn.Dropout}
+    problems = [f"no {name} ({kind.__name__})" if getattr(block, name, None) is None else
+                f"{name} is a {type(getattr(block, name)).__name__}, not a {kind.__name__}"
+                for name, kind in want.items() if not isinstance(getattr(block, name, None), kind)]
+    mlp = getattr(block, "mlp", None)
+    if not (isinstance(mlp, nn.Sequential) and len(mlp) == 3 and isinstance(mlp[0], nn.Linear)
+            and isinstance(mlp[2], nn.Linear)):
+        problems.append("mlp is not Linear -> activation -> Linear (an nn.Sequential of three)")
+    if not isinstance(getattr(block, "causal", None), bool):
+        problems.append("no causal flag (a bool)")
+    return problems
+
+
 class ParallelTransformerBlock(nn.Module):
     """``TransformerBlock`` with attention heads and MLP features split across the ranks.
 
@@ -189,6 +204,18 @@ class ParallelTransformerBlock(nn.Module):
     @classmethod
     def from_block(cls, block: TransformerBlock, group=None, sequence_parallel: bool = False,
                    rng: RNGStatesTracker = None, selective_recompute: bool = False) -> "ParallelTransformerBlock":
+        """This rank's part of ``block``, a :class:`TransformerBlock` (or a block of the same
+        layout: ``norm1``/``norm2`` LayerNorms, ``attn`` an ``nn.MultiheadAttention``, ``mlp``
+        ``Linear -> activation -> Linear``, ``dropout``, ``causal``). Any other block (a LLaMA
+        block: RMSNorm, separate q/k/v projections, SwiGLU) is refused, naming what differs:
+        shard it with ``torch.distributed.tensor.parallel.parallelize_module`` and a plan
+        (``ColwiseParallel``/``RowwiseParallel`` per projection; labs 11 and 13)."""
+        problems = _block_layout_problems(block)
+        if problems:
+            raise TypeError(f"ParallelTransformerBlock.from_block takes mgpu_lab's TransformerBlock layout; "
+                            f"{type(block).__name__} differs: {'; '.join(problems)}. For another block, use "
+                            f"torch.distributed.tensor.parallel.parallelize_module with a ColwiseParallel/"
+                            f"RowwiseParallel plan per projection")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._build(block, group, sequence_parallel, rng, selective_recompute)
