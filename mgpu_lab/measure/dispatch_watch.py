@@ -83,8 +83,9 @@ class CollectiveLog(MeasuringMode):
         return [e[0] for e in self.events if e[0] != "compute"]
 
     def wire_bytes(self, world_size: int) -> dict:
-        """``{(kind, dtype): bytes}`` one rank sends over a ring: (N-1)/N of each collective's
-        largest tensor (an all-reduce twice that)."""
+        """``{(kind, dtype): bytes}`` one rank sends over a ring, *computed*: (N-1)/N of each
+        collective's largest tensor (an all-reduce twice that). What the sockets carried is
+        measured by :class:`mgpu_lab.measure.wire.WireMeter`."""
         out: dict = {}
         for e in self.events:
             if e[0] == "compute":
