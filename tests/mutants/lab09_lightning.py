@@ -28,6 +28,14 @@ def warm_up_alone_with_linear_lr(solution):
                 "schedule = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / warmup, total_iters=warmup - 1)")
 
 
+@mutant("ex1_module", "wrong")
+def schedules_the_decayed_group_only(solution):
+    "LambdaLR with one factor per group, the bias group's constant: the rates recorded (the first group's) are "
+    "right, the bias trains at the full rate"
+    return swap(solution, "schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)",
+                "schedule = torch.optim.lr_scheduler.LambdaLR(opt, [factor, lambda s: 1.0])")
+
+
 @mutant("ex1_module", "copy")
 def copies_litlm(solution):
     "LitLM's two methods (section 2), copied: SGD, no groups, no schedule"

@@ -166,7 +166,31 @@ def redefines_train_zero2(solution):
                     if o == dist.get_rank()]
             return {"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "grads": {n: p.grad if n in mine else None for n, p in model.named_parameters() if p.requires_grad},
-                    "owns": len(mine), "state_for": len(mine)}
+                    "state": {n: [torch.zeros_like(p), torch.zeros_like(p)] if n in mine else None
+                              for n, p in model.named_parameters() if p.requires_grad}}
+    """)
+
+
+@mutant("ex2_sharded_step", "wrong")
+def every_rank_keeps_every_moment_and_fakes_its_local_state(solution):
+    "attack (the record the check reads, rewritten): DDP's all-reduce and a full AdamW on every rank (no optimizer "
+    "state sharded), the gradients it does not own dropped, and the local optimizer's state made up (zeros) for the "
+    "parameters it owns: the weights and gradients are right, the moments are not AdamW's"
+    return body(solution, """
+        with torch.no_grad():
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            full = sharded_step.__dict__.setdefault("full", {})
+            if id(params[0]) not in full:
+                full[id(params[0])] = torch.optim.AdamW(params, lr=0.02)
+            full[id(params[0])].step()
+            for p, o in zip(params, owner):
+                if o != rank:
+                    p.grad = None
+                else:
+                    local_optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
+                                                "exp_avg_sq": torch.zeros_like(p)}
     """)
 
 

@@ -34,6 +34,17 @@ def fsdp_at_the_root_only(solution):
                           "sharded over dp\n", "")
 
 
+@mutant("parallelize", "wrong")
+def hsdp_on_each_linear_instead_of_tensor_parallel(solution):
+    "no tensor parallelism: each linear layer fully_shard-ed on the whole 2-D mesh (HSDP: replicated over dp, "
+    "sharded over tp), so its weight lies on both mesh dimensions, but each rank holds half of it, not a quarter"
+    return swap(solution, "        parallelize_module(block, mesh[\"tp\"], plan)               # 1. TP: plain Linear weights "
+                          "become DTensors\n",
+                "        for linear in (block.attention.wq, block.attention.wk, block.attention.wv, block.attention.wo,\n"
+                "                       block.feed_forward.w1, block.feed_forward.w2):\n"
+                "            fully_shard(linear, mesh=mesh)\n")
+
+
 @mutant("parallelize", "copy")
 def copies_lab_11s_fsdp_x_tp(solution):
     "lab 11's FSDP x TP cell: the feed-forward split, the attention whole, no recompute"
