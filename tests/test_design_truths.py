@@ -37,3 +37,31 @@ def test_lab12_choose_schedule_judges_with_the_replays_numbers():
         held = max(held_microbatches([a[:-2] for a in rank]) for rank in replay)
         assert exact(name, p, m)[:2] == (held, v), (name, p, m)
         assert exact(name, p, m)[2] == pytest.approx(ns["bubble_of"](replay), abs=1e-12), (name, p, m)
+
+
+def _measure_every_plan(ns, sizes):
+    """run_plan of every plan at each of ``sizes`` on 2 ranks: ``[[(memory, sent) per plan] per size]``, rank 0's
+    (the ranks agree)."""
+    plans = [dict(zip(ns["CHOICES"], values)) for values in itertools.product(*ns["CHOICES"].values())]
+
+    def every_plan():
+        out = []
+        for sc in sizes:
+            torch = ns["torch"]
+            torch.manual_seed(0)
+            state = ns["TinyLM"](sc["vocab"], sc["hidden"], sc["ffn"]).state_dict()
+            ids, target = (torch.randint(0, sc["vocab"], (sc["batch"], sc["seq"])) for _ in range(2))
+            out.append([(r["memory"], r["sent"]) for r in (ns["run_plan"](c, sc, state, ids, target) for c in plans)])
+        return out
+    runs = ns["launch"](every_plan, nprocs=2, backend="gloo", timeout=300)
+    assert runs[0] == runs[1]
+    return plans, runs[0]
+
+
+def test_lab11_tp_plans_judges_with_run_plans_numbers():
+    ns = _graded("11_tensor_parallel", "tp_plans")
+    sizes = [dict(vocab=42, hidden=24, ffn=14, batch=3, seq=6), dict(vocab=130, hidden=40, ffn=54, batch=2, seq=22)]
+    plans, measured = _measure_every_plan(ns, sizes)
+    for sc, row in zip(sizes, measured):
+        for plan, got in zip(plans, row):
+            assert ns["exact"](plan, sc) == got, (sc, plan)
