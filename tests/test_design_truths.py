@@ -58,6 +58,7 @@ def _measure_every_plan(ns, sizes):
     return plans, runs[0]
 
 
+@pytest.mark.slow
 def test_lab11_tp_plans_judges_with_run_plans_numbers():
     ns = _graded("11_tensor_parallel", "tp_plans")
     sizes = [dict(vocab=42, hidden=24, ffn=14, batch=3, seq=6), dict(vocab=130, hidden=40, ffn=54, batch=2, seq=22)]
