@@ -1,6 +1,7 @@
 """Mutants of lab 11: sp_f_and_g (sequence parallelism's f and g for unequal parts, f-bar's backward for a
 tensor-parallel or a replicated consumer), parallel_swiglu
-(a fused w13), parallel_gqa (fewer K/V heads than ranks) and tp_plans (design, judged by measurement).
+(a fused w13), parallel_gqa (fewer K/V heads than ranks) and tp_plans (design: measured on the
+given scenarios, computed exactly on hidden ones of real sizes, where run_plan cannot run).
 
 A call of mgpu_lab's or torch's own layer is a ``wrong`` mutant here: none of them computes what these
 exercises ask, so each is rejected by the numbers, not by a guard."""
@@ -194,19 +195,29 @@ def patches_attention_kernel(solution):
 def split_everything(solution):
     "every choice at its most split (sequence parallel, vocab, split, split, loss parallel): A's traffic is over budget"
     return body(solution, """
-        most = {"sequence_parallel": True, "embedding": "vocab", "attention": "split", "feed_forward": "split",
+        return {"sequence_parallel": True, "embedding": "vocab", "attention": "split", "feed_forward": "split",
                 "output": "loss_parallel"}
-        return {"A": dict(most), "B": dict(most)}
     """)
 
 
 @mutant("tp_plans", "wrong")
 def megatron_without_loss_parallel(solution):
-    "Megatron's block split, the logits gathered for an ordinary cross-entropy: the gather is over both budgets' traffic"
+    "Megatron's block split, the logits gathered for an ordinary cross-entropy: the gather is over A's traffic"
     return body(solution, """
-        plan = {"sequence_parallel": False, "embedding": "vocab", "attention": "split", "feed_forward": "split",
+        return {"sequence_parallel": False, "embedding": "vocab", "attention": "split", "feed_forward": "split",
                 "output": "gather"}
-        return {"A": dict(plan), "B": dict(plan)}
+    """)
+
+
+@mutant("tp_plans", "wrong")
+def the_given_plans_by_a_rule_of_thumb(solution):
+    "A's plan where the vocabulary outnumbers the batch's positions, B's elsewhere: right on A and B, no cost model"
+    return body(solution, """
+        if scenario["vocab"] > scenario["batch"] * scenario["seq"]:
+            return {"sequence_parallel": False, "embedding": "vocab", "attention": "replicate",
+                    "feed_forward": "replicate", "output": "loss_parallel"}
+        return {"sequence_parallel": True, "embedding": "replicate", "attention": "split", "feed_forward": "split",
+                "output": "loss_parallel"}
     """)
 
 
@@ -214,9 +225,28 @@ def megatron_without_loss_parallel(solution):
 def section_8s_mlp_plan(solution):
     "section 8's plan (the MLP split, nothing else): the vocabulary's weights and logits stay whole, over A's memory"
     return body(solution, """
-        plan = {"sequence_parallel": False, "embedding": "replicate", "attention": "replicate",
+        return {"sequence_parallel": False, "embedding": "replicate", "attention": "replicate",
                 "feed_forward": "split", "output": "replicate"}
-        return {"A": dict(plan), "B": dict(plan)}
+    """)
+
+
+@mutant("tp_plans", "copy")
+def the_evaluator_in_a_loop(solution):
+    "run_plan over all 48 plans, the first within both budgets: right on A and B, out of memory at a real size"
+    return body(solution, """
+        import itertools
+        plans = [dict(zip(CHOICES, values)) for values in itertools.product(*CHOICES.values())]
+
+        def measure_all():
+            torch.manual_seed(0)
+            state = TinyLM(scenario["vocab"], scenario["hidden"], scenario["ffn"]).state_dict()
+            ids, target = (torch.randint(0, scenario["vocab"], (scenario["batch"], scenario["seq"])) for _ in range(2))
+            return [run_plan(c, scenario, state, ids, target) for c in plans]
+        runs = launch(measure_all, nprocs=2, backend="gloo", timeout=600)
+        for i, c in enumerate(plans):
+            if all(r[i]["memory"] <= scenario["memory"] and r[i]["sent"] <= scenario["sent"] for r in runs):
+                return c
+        return None
     """)
 
 
@@ -224,9 +254,8 @@ def section_8s_mlp_plan(solution):
 def ipython_hides_failures(solution):
     "IPython's exception hook swallowing the failed check, and every plan replicated"
     return prepend(body(solution, """
-        plan = {"sequence_parallel": False, "embedding": "replicate", "attention": "replicate",
+        return {"sequence_parallel": False, "embedding": "replicate", "attention": "replicate",
                 "feed_forward": "replicate", "output": "replicate"}
-        return {"A": dict(plan), "B": dict(plan)}
     """), """
         get_ipython().set_custom_exc((AssertionError,), lambda *args, **kwargs: None)
     """)

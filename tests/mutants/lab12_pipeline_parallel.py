@@ -1,5 +1,6 @@
 """Mutants of lab 12: gpipe_window (a GPipe step inside an accumulation window), one_f_one_b_slow (1F1B with
-a stage twice as slow) and choose_schedule (design, replayed).
+a stage twice as slow) and choose_schedule (design: replayed on small cases, computed exactly at a real
+run's size, where a search over the replay does not end in time).
 
 A call of the library's own schedule is a ``wrong`` mutant here: it computes something else (1/m of one step,
 1F1B's warm-up for equal stages), and the numbers reject it."""
@@ -104,16 +105,21 @@ def ipython_hides_failures(solution):
 @mutant("choose_schedule", "wrong")
 def gpipe_holds_one_micro_batch(solution):
     "GPipe counted as holding one micro-batch: micro-batching is believed to cut GPipe's memory"
-    return swap(solution, "            memory = max(held_microbatches(o) for o in orders) * size",
-                "            memory = (size if schedule == \"GPipe\" else max(held_microbatches(o) for o in orders) * size)")
+    return swap(solution, "            if m * rows * per_sample <= case[\"memory_budget\"]:",
+                "            if rows * per_sample <= case[\"memory_budget\"]:")
 
 
 @mutant("choose_schedule", "wrong")
 def interleaved_bubble_by_the_formula(solution):
     "interleaving's bubble taken from (p-1)/(2m+p-1) for every m: with fewer micro-batches than devices it is larger"
-    return swap(solution, "bubble_fraction([[(a, b) for *_, a, b in st] for st in replay]) <= case",
-                "((p - 1) / (2 * m + p - 1) if schedule == \"interleaved\" else "
-                "bubble_fraction([[(a, b) for *_, a, b in st] for st in replay])) <= case")
+    return swap(solution, "bubble = (p - 1) / (2 * m + p - 1) if m >= p else (2 * p - m - 1) / (2 * p + m - 1)",
+                "bubble = (p - 1) / (2 * m + p - 1)")
+
+
+@mutant("choose_schedule", "wrong")
+def interleaved_holds_as_1f1b(solution):
+    "interleaving taken to hold 1F1B's min(m, p) micro-batches: its warm-up runs about 2p half stages ahead"
+    return swap(solution, "held = min(m // rounds + 2 * p - 1, 2 * m)", "held = 2 * min(m, p)")
 
 
 @mutant("choose_schedule", "copy")
@@ -123,6 +129,35 @@ def the_bubble_demos_micro_batches(solution):
         if "global_batch" in case:
             return "1F1B", 4, case["global_batch"] // 4
         return "1F1B", 4, case["microbatch_size"]
+    """)
+
+
+@mutant("choose_schedule", "copy")
+def the_evaluator_in_a_loop(solution):
+    "the check's replay (replayed, memory_of, bubble_of) over every m until one fits: past the time limit at scale"
+    return body(solution, """
+        replayed = {"GPipe": lambda p, m: (simulate_timeline([gpipe_order(s, p, m) for s in range(p)]), 1),
+                    "1F1B": lambda p, m: (simulate_timeline([one_f_one_b_order(s, p, m) for s in range(p)]), 1),
+                    "interleaved": lambda p, m: (simulate_timeline([interleaved_1f1b_order(r, p, 2, m)
+                                                                    for r in range(p)], 0.5, 1.0), 2)}
+        memory_of = lambda replay, v, rows, c: max(held_microbatches([a[:-2] for a in rank]) for rank in replay) \\
+            * rows * c["bytes_per_sample"] / v
+        bubble_of = lambda replay: bubble_fraction([[(a, b) for *_, a, b in rank] for rank in replay])
+        p = case["num_stages"]
+        if "global_batch" in case:
+            B = case["global_batch"]
+            shapes = [(m, B // m) for m in range(1, B + 1) if B % m == 0 and B // m >= case["min_microbatch_size"]]
+        else:
+            shapes = [(m, case["microbatch_size"]) for m in range(1, case["max_global_batch"] // case["microbatch_size"] + 1)]
+        for m, rows in shapes:
+            for name in replayed:
+                try:
+                    replay, v = replayed[name](p, m)
+                except ValueError:
+                    continue
+                if memory_of(replay, v, rows, case) <= case["memory_budget"] and bubble_of(replay) <= case["max_bubble"] + 1e-9:
+                    return name, m, rows
+        return None
     """)
 
 

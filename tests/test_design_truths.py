@@ -1,0 +1,68 @@
+"""The hidden judges of the design exercises of labs 11 and 12 compute their cases' costs from exact formulas
+(the hidden cases are too large for the lab's own evaluator to run in the grader's time and memory). Here those
+formulas, taken from the solution's graded cell as the grader runs it, equal the evaluator wherever it runs."""
+import itertools
+
+import nbformat
+import pytest
+
+from conftest import ROOT
+from mgpu_lab.course.notebook.cells import nbgrader_meta
+
+
+def _graded(lab, exercise):
+    """The namespace of the lab's setup cells, the exercise's solution and its graded cell, run top to bottom
+    (hidden parts included, as nbval runs them)."""
+    nb = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    ns = {}
+    for cell in nb.cells:
+        if "setup" in cell.metadata.get("tags", []):
+            exec(cell.source, ns)
+    cells = {nbgrader_meta(c).get("grade_id"): c.source for c in nb.cells}
+    exec(cells[exercise], ns)
+    exec(cells[exercise + "_test"], ns)
+    return ns
+
+
+def test_lab12_choose_schedule_judges_with_the_replays_numbers():
+    ns = _graded("12_pipeline_parallel", "choose_schedule")
+    exact, replayed = ns["exact"], ns["replayed"]
+    held_microbatches = ns["held_microbatches"]
+    for p, m, name in itertools.product(range(1, 9), range(1, 41), replayed):
+        try:
+            replay, v = replayed[name](p, m)
+        except ValueError:
+            assert exact(name, p, m) is None, (name, p, m)
+            continue
+        held = max(held_microbatches([a[:-2] for a in rank]) for rank in replay)
+        assert exact(name, p, m)[:2] == (held, v), (name, p, m)
+        assert exact(name, p, m)[2] == pytest.approx(ns["bubble_of"](replay), abs=1e-12), (name, p, m)
+
+
+def _measure_every_plan(ns, sizes):
+    """run_plan of every plan at each of ``sizes`` on 2 ranks: ``[[(memory, sent) per plan] per size]``, rank 0's
+    (the ranks agree)."""
+    plans = [dict(zip(ns["CHOICES"], values)) for values in itertools.product(*ns["CHOICES"].values())]
+
+    def every_plan():
+        out = []
+        for sc in sizes:
+            torch = ns["torch"]
+            torch.manual_seed(0)
+            state = ns["TinyLM"](sc["vocab"], sc["hidden"], sc["ffn"]).state_dict()
+            ids, target = (torch.randint(0, sc["vocab"], (sc["batch"], sc["seq"])) for _ in range(2))
+            out.append([(r["memory"], r["sent"]) for r in (ns["run_plan"](c, sc, state, ids, target) for c in plans)])
+        return out
+    runs = ns["launch"](every_plan, nprocs=2, backend="gloo", timeout=300)
+    assert runs[0] == runs[1]
+    return plans, runs[0]
+
+
+@pytest.mark.slow
+def test_lab11_tp_plans_judges_with_run_plans_numbers():
+    ns = _graded("11_tensor_parallel", "tp_plans")
+    sizes = [dict(vocab=42, hidden=24, ffn=14, batch=3, seq=6), dict(vocab=130, hidden=40, ffn=54, batch=2, seq=22)]
+    plans, measured = _measure_every_plan(ns, sizes)
+    for sc, row in zip(sizes, measured):
+        for plan, got in zip(plans, row):
+            assert ns["exact"](plan, sc) == got, (sc, plan)
