@@ -559,6 +559,16 @@ def test_kernel_runner_reports_every_code_cell_and_stores_outputs(tmp_path):
     assert nb.cells[3].outputs[0]["text"] == "add passed\n"
 
 
+def test_a_checks_own_time_limit_lowers_the_graders_and_never_raises_it(tmp_path):
+    """``metadata.mgpu_lab.timeout`` on a cell: that many seconds for it, not ``--timeout``'s."""
+    cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(30)", metadata={"mgpu_lab": {"timeout": 2}}),
+             nbformat.v4.new_code_cell("time.sleep(3)", metadata={"mgpu_lab": {"timeout": 600}}),
+             nbformat.v4.new_code_cell("x = 1", metadata={"mgpu_lab": {"timeout": "soon"}})]
+    results = run_notebook(nbformat.v4.new_notebook(cells=cells), cwd=tmp_path, timeout=2.5, progress=False)
+    assert [r.error for r in results] == ["Timeout", "Timeout", None]
+    assert results[0].seconds < 10
+
+
 @pytest.mark.parametrize("args", [
     ["grade", "no/such/notebook.ipynb", "--solutions", str(DATA / "solutions")],
     ["grade", str(DATA / "submissions" / "full"), "--timeout", "0"],

@@ -5,8 +5,9 @@ solution is executed exactly as a submission is graded:
 
 - the kernel is this very Python (``sys.executable``), not whatever the
   ``python3`` kernel spec points at, and its working folder is the notebook's;
-- each cell has ``timeout`` seconds; then the kernel is interrupted (the cell
-  gets "Timeout") and, if it does not answer within 3 s, killed;
+- each cell has ``timeout`` seconds (less where a check's metadata says so:
+  :func:`cell_limit`); then the kernel is interrupted (the cell gets "Timeout") and,
+  if it does not answer within 3 s, killed;
 - when the kernel dies (``os._exit``, a segfault, out of memory) or was killed,
   a fresh kernel re-runs every earlier cell once (except cells that hung or
   crashed) to rebuild the state, and the run goes on after the bad cell; after
@@ -182,6 +183,14 @@ async def silent(client, code: str, expressions: Optional[dict] = None,
 OOM_MESSAGE = "the kernel (or a process it started) was killed for memory"
 
 
+def cell_limit(cell) -> float:
+    """A check's own time limit in seconds (``metadata.mgpu_lab.timeout``, the instructor's:
+    a design check whose answer must come from reasoning, not from running the lab's
+    evaluator over every candidate), or infinity. It only ever lowers ``--timeout``."""
+    limit = (cell.metadata.get("mgpu_lab") or {}).get("timeout")
+    return float(limit) if isinstance(limit, (int, float)) and limit > 0 else float("inf")
+
+
 async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
                after=None, graded_history=True, start_kernel=None,
                oom_kills=None) -> List[CellResult]:
@@ -199,7 +208,7 @@ async def _run(nb, cwd, timeout, total_timeout, bar, state, before=None,
 
     client = NotebookClient(
         nb, allow_errors=True, interrupt_on_timeout=True, error_on_timeout=TIMEOUT_REPLY,
-        timeout_func=lambda cell: max(1.0, min(timeout, deadline - monotonic())),
+        timeout_func=lambda cell: max(1.0, min(timeout, cell_limit(cell), deadline - monotonic())),
         record_timing=False, iopub_timeout=4,
         resources={"metadata": {"path": str(cwd)}}, on_cell_executed=on_executed)
 
