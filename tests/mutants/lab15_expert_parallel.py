@@ -45,7 +45,7 @@ def moe_aux_loss_in_a_thread(solution):
 
 @mutant("global_balance_loss", "reference")
 def expert_parallel_share(solution):
-    "ExpertParallelMoE's aux_loss: f over every rank's tokens, but its share (P summed over this rank's rows / all T)"
+    "ExpertParallelMoE's aux_loss: f over every rank's tokens, but its share (P summed over this rank's rows / all T); it cannot split 8 experts over 3 ranks either"
     return body(solution, """
         E, n = router_logits.shape[-1], dist.get_world_size()
         router = nn.Linear(E, E, bias=False)
