@@ -77,6 +77,42 @@ def copies_the_gathered_attention(solution):
     return torch.softmax(scores, dim=-1) @ v_all""")
 
 
+# Issue 44's attack, the honour-level part: F.scaled_dot_product_attention kept in a list above the guard, after an
+# all-gather. Every value the ring yields is a function of q, k, v that a rank holding the gathered sequence computes
+# too, so only the observation in the ranks (CollectiveLog) rejects it; the same all-gather run from a worker thread
+# (a dispatch mode watches its own thread) or built of point-to-point sends to every rank passes: docs/INSTRUCTORS.md.
+@mutant("window_ring_attention", "reference")
+def sdpa_kept_in_a_list(solution):
+    "SDPA, kept in a list above, on the all-gathered k and v with the window's mask; dk and dv all-reduced"
+    return prepend(swap(solution, "return WindowRingAttention.apply(q, k, v, window)",
+                        "return _GatheredWindow.apply(q, k, v, window)"), """
+        _kept = [F.scaled_dot_product_attention]
+
+
+        class _GatheredWindow(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, window):
+                rank, n, s = dist.get_rank(), dist.get_world_size(), q.shape[-2]
+                parts = [[torch.empty_like(t) for _ in range(n)] for t in (k, v)]
+                dist.all_gather(parts[0], k.contiguous())
+                dist.all_gather(parts[1], v.contiguous())
+                q_pos, k_pos = rank * s + torch.arange(s), torch.arange(n * s)
+                band = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+                with torch.enable_grad():
+                    ctx.inputs = [t.detach().requires_grad_() for t in (q, torch.cat(parts[0], 2), torch.cat(parts[1], 2))]
+                    ctx.out = _kept[0](*ctx.inputs, attn_mask=band)
+                return ctx.out.detach()
+
+            @staticmethod
+            def backward(ctx, dout):
+                rank, n = dist.get_rank(), dist.get_world_size()
+                dq, dk, dv = (t.contiguous() for t in torch.autograd.grad(ctx.out, ctx.inputs, dout))
+                dist.all_reduce(dk)
+                dist.all_reduce(dv)
+                return dq, dk.chunk(n, 2)[rank].contiguous(), dv.chunk(n, 2)[rank].contiguous(), None
+    """)
+
+
 @mutant("window_ring_attention", "tamper")
 def redefines_run_window(solution):
     "a run_window of its own reporting no collective, around the gathered attention"
@@ -111,6 +147,39 @@ def copies_the_zigzag(solution):
     "section 4's zig-zag, chunks r and 2N-1-r, whatever the number of chunks"
     return body(solution, """
         return [[r, 2 * world_size - 1 - r] for r in range(world_size)]
+    """)
+
+
+# Issue 44: the replay in a loop. Small cases it solves; with hundreds of ranks one replay takes seconds, and a search
+# runs out of time: only a layout derived for any N passes the large hidden cases.
+@mutant("choose_layout", "copy")
+def searches_with_the_replay(solution):
+    "section 4's simulate_ring and bubble_fraction in a loop: random layouts, chunks swapped while the idle time does not grow"
+    return body(solution, """
+        import random, time
+        if n_chunks == world_size:
+            return None
+        per = n_chunks // world_size
+        idle = lambda lay: bubble_fraction([[(a, b) for _, a, b in r] for r in simulate_ring(lay, 4096 // n_chunks)])
+        rng, t0 = random.Random(0), time.monotonic()
+        while time.monotonic() - t0 < 5:                            # restarts from random layouts
+            chunks = list(range(n_chunks))
+            rng.shuffle(chunks)
+            layout = [chunks[r * per:(r + 1) * per] for r in range(world_size)]
+            best, stale = idle(layout), 0
+            while best > 0.05 and stale < 200 and time.monotonic() - t0 < 5:
+                r1, r2 = rng.sample(range(world_size), 2)
+                i1, i2 = rng.randrange(per), rng.randrange(per)
+                layout[r1][i1], layout[r2][i2] = layout[r2][i2], layout[r1][i1]
+                now = idle(layout)
+                stale = 0 if now < best else stale + 1
+                if now <= best:
+                    best = now
+                else:
+                    layout[r1][i1], layout[r2][i2] = layout[r2][i2], layout[r1][i1]
+            if best <= 0.05:
+                return layout
+        return None
     """)
 
 

@@ -23,6 +23,40 @@ def calls_load_balancing_loss(solution):
     """)
 
 
+# Issue 44's attack: the judge's own reference, MoE.aux_loss, from a worker thread (no notebook frame on its stack).
+# With the guard off it computes f from this rank's tokens: the 2-rank case with different tokens rejects it.
+@mutant("global_balance_loss", "reference")
+def moe_aux_loss_in_a_thread(solution):
+    "MoE.aux_loss with an identity router, computed in a ThreadPoolExecutor worker: f from this rank's tokens"
+    return body(solution, """
+        from concurrent.futures import ThreadPoolExecutor
+
+        def aux():
+            E = router_logits.shape[-1]
+            layer = MoE(E, 1, E, top_k=top_k)
+            with torch.no_grad():
+                layer.router.weight.copy_(torch.eye(E))
+            layer(router_logits)
+            return layer.aux_loss
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(aux).result()
+    """)
+
+
+@mutant("global_balance_loss", "reference")
+def expert_parallel_share(solution):
+    "ExpertParallelMoE's aux_loss: f over every rank's tokens, but its share (P summed over this rank's rows / all T); it cannot split 8 experts over 3 ranks either"
+    return body(solution, """
+        E, n = router_logits.shape[-1], dist.get_world_size()
+        router = nn.Linear(E, E, bias=False)
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(E))
+        layer = ExpertParallelMoE(router, nn.ModuleList(Expert(E, 1) for _ in range(E // n)), E, top_k, None)
+        layer(router_logits)
+        return layer.aux_loss
+    """)
+
+
 @mutant("global_balance_loss", "copy")
 def copies_the_judges_moe(solution):
     "the check's MoE with an identity router: its aux_loss, on this rank's tokens alone"
@@ -102,6 +136,32 @@ def capacity_from_one_ranks_tokens(solution):
 def never_none(solution):
     "the last ep tried when nothing meets the targets, instead of None"
     return swap(solution, "    return None\n", "    return world_size, 1.0\n")
+
+
+@mutant("plan_experts", "wrong")
+def rows_for_its_own_experts_counted(solution):
+    "every kept row counted as sent, those for the rank's own experts included: they never cross the wire"
+    return swap(solution, "away = kept & (chosen // per != home)", "away = kept")
+
+
+# Issue 44: the evaluator in a loop. capacity and slot_positions check the three targets; the cost (slots, and the rows
+# the busiest rank sends) has no function in the lab, and the first plan that meets the targets is rarely the cheapest.
+@mutant("plan_experts", "copy")
+def first_plan_meeting_the_targets(solution):
+    "capacity and slot_positions in a loop: the smallest ep and the largest buffers that meet the targets, cost ignored"
+    return body(solution, """
+        for ep in range(1, world_size + 1):
+            if world_size % ep or num_experts % ep or num_experts // ep > max_experts_per_rank:
+                continue
+            C = max_slots_per_rank // (num_experts // ep)
+            if C < 1:
+                continue
+            dropped = sum(int((slot_positions(routing[g:g + ep].reshape(-1, top_k), num_experts) >= C).sum())
+                          for g in range(0, world_size, ep))
+            if dropped <= max_drop_rate * routing.numel():
+                return ep, (C - 0.5) * num_experts / (ep * tokens_per_rank * top_k)
+        return None
+    """)
 
 
 @mutant("plan_experts", "copy")
