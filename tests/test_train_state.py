@@ -17,7 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from conftest import ROOT, VOCAB, TiedNet, assert_no_children
 from mgpu_lab import LossScaler, launch
 from mgpu_lab.parallel.wrappers import unwrap
-from mgpu_lab.training.train_state import TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint
+from mgpu_lab.training.train_state import (
+    CheckpointError, TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint,
+)
 
 
 def leftovers(folder):
@@ -42,7 +44,7 @@ def test_a_failed_rename_leaves_the_previous_checkpoint_whole(tmp_path, monkeypa
     def broken_replace(src, dst):
         raise OSError("disk full (injected)")
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(CheckpointError, match="injected"):
         save_checkpoint(path, step=2, weights=torch.zeros(1000))
     monkeypatch.undo()
     state = load_checkpoint(path)
@@ -351,7 +353,7 @@ def test_a_checkpoint_that_cannot_load_says_what_it_holds_and_what_to_do(tmp_pat
     path = str(tmp_path / "fsdp.pt")
     launch(_portable, nprocs=2, args=(path, "fsdp", None, 1), timeout=120)
     other = torch.nn.Sequential(torch.nn.Linear(3, 3))
-    with pytest.raises(KeyError, match=r"saved under fsdp on 2 rank\(s\).*build the same model"):
+    with pytest.raises(CheckpointError, match=r"saved under fsdp on 2 rank\(s\).*build the same model"):
         TrainState(other).load(path)
     old = load_checkpoint(path)  # the format before per-parameter state: FSDP's optimizer state per rank
     old.pop("format")
@@ -359,7 +361,7 @@ def test_a_checkpoint_that_cannot_load_says_what_it_holds_and_what_to_do(tmp_pat
     save_checkpoint(path, **old)
     model = TiedNet(seed=0)
     state = TrainState(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
-    with pytest.raises(ValueError, match=r"per-rank state of 2 ranks.*Resume once under FSDP on 2 ranks"):
+    with pytest.raises(CheckpointError, match=r"per-rank state of 2 ranks.*Resume once under FSDP on 2 ranks"):
         state.load(path)
 
 
@@ -380,7 +382,7 @@ def test_a_sharded_checkpoint_survives_a_crash_mid_save(tmp_path, monkeypatch):
     state.step = 2
     with torch.no_grad():
         model.hidden.weight.add_(1.0)
-    with pytest.raises(OSError, match="lost power"):
+    with pytest.raises(CheckpointError, match="lost power"):
         state.save(folder)
     monkeypatch.undo()
     fresh = TiedNet(seed=3)
