@@ -70,10 +70,11 @@ def failure_cause(exc: BaseException) -> Tuple[str, str]:
         if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return ("permission denied (or a read-only file system)",
                     "save into a folder this user can write, or fix its permissions")
-        if isinstance(e, (NotADirectoryError, IsADirectoryError)):
-            return (f"a path component is not a folder ({e.strerror}: {e.filename})", "give a path inside a folder")
+        if isinstance(e, (NotADirectoryError, IsADirectoryError, FileExistsError)):
+            return (f"a path component is not a folder ({e.strerror}: {e.filename})",
+                    "give a path whose folders are folders (or can be created)")
     text = " ".join(str(e) for e in chain)
-    if any(isinstance(e, EOFError) for e in chain) or any(
+    if any(isinstance(e, EOFError) or (isinstance(e, OSError) and e.errno == errno.EINVAL) for e in chain) or any(
             w in text for w in ("truncated", "central directory", "failed reading zip", "file not found: archive",
                                 "Ran out of input", "unexpected EOF", "checksum", "CRC")):
         return ("truncated or corrupt (a save that did not finish, or a damaged copy)",
@@ -138,7 +139,7 @@ def load_checkpoint(path: str, map_location=None) -> Dict[str, Any]:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        if "weights_only" not in str(exc) and "GLOBAL" not in str(exc) and "global" not in str(exc):
+        if "GLOBAL" not in str(exc) and "global" not in str(exc):  # e.g. "Unsupported operand": garbage
             raise checkpoint_error("loading", path, exc) from exc  # damaged, not unsafe
         detail = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line),
                       str(exc).splitlines()[0] if str(exc) else "")

@@ -16,6 +16,7 @@ of a save that was killed (``.ckpt.pt.*.tmp``) are removed by the next save.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -69,6 +70,8 @@ def rotate(path: str, keep: int) -> None:
 def check_writable(folder: str) -> None:
     """Create ``folder`` if needed and write one small file in it: an unwritable folder fails now,
     not at the first save an hour later. Raises the OSError."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(errno.ENOTDIR, "Not a directory", folder)
     os.makedirs(folder, exist_ok=True)
     fd, probe = tempfile.mkstemp(prefix=".mgpu_lab-probe.", suffix=".tmp", dir=folder)
     os.close(fd)

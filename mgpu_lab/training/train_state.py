@@ -194,7 +194,7 @@ class TrainState:
             sharded_checkpoint.save(path, tensors, meta, self.step, _barrier, self.keep)
         except CheckpointError:
             raise
-        except Exception as exc:
+        except (Exception, _dcp_failure()) as exc:
             raise checkpoint_error("saving", path, exc, "new", self.step) from exc
 
     # ------------------------------------------------------------------ loading
@@ -233,10 +233,11 @@ class TrainState:
             except (KeyError, ValueError) as exc:  # readable, but not this model's
                 raise _misfit(where, generation, None, exc) from exc
         else:
-            lines = "; ".join(f"{w} ({g}): {e.cause}" for w, g, e in failures)
-            raise CheckpointError(f"loading checkpoint {path!r} failed: no generation is readable ({lines}). What "
-                                  "to do: start afresh from another path, or restore a copy", path=path,
-                                  cause="no readable generation") from failures[0][2]
+            lines = "; ".join(f"{w} ({g} generation, step unknown): {e.cause}" for w, g, e in failures)
+            raise CheckpointError(f"loading checkpoint {path!r} failed: {len(failures)} generation(s), none readable: "
+                                  f"{lines}. What to do: restore a copy, or start afresh (delete them, or give "
+                                  "another path); TrainState(..., keep=N) keeps N generations to fall back on",
+                                  path=path, generation=failures[0][1], cause=failures[0][2].cause) from failures[0][2]
         if failures:
             warnings.warn(f"TrainState.load: {failures[0][0]} ({failures[0][1]} generation) is unreadable: "
                           f"{failures[0][2].cause}; loaded {where} ({generation}, step {state.get('step')}) instead",
@@ -265,7 +266,7 @@ class TrainState:
             return state, sharded_checkpoint.read_tensors(self.model, self.optimizer, where, _holds(state))
         except (KeyError, ValueError):
             raise
-        except Exception as exc:
+        except (Exception, _dcp_failure()) as exc:  # DCP's CheckpointException is a BaseException
             raise checkpoint_error("loading", where, exc, step=state.get("step")) from exc
 
     def _apply(self, state: Dict[str, Any], tensors: Dict[str, torch.Tensor], where: str, sharded: bool,
@@ -331,6 +332,11 @@ class TrainState:
 
 
 FORMAT = 2  # 1: optimizer state as the optimizer's own state_dict (FSDP: per rank); 2: per parameter name
+
+
+def _dcp_failure() -> type:
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
 
 
 def _misfit(where: str, generation: str, step, exc: Exception) -> CheckpointError:
