@@ -165,3 +165,21 @@ def test_uneven_shares_step_as_one_process_on_the_global_batch():
     opt.step()
     for w in launch(_uneven_shares_equal_one_process, nprocs=3, timeout=120):
         torch.testing.assert_close(w, net.weight.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_draws_inside_workers_that_cannot_continue_are_said_once_at_save(tmp_path):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    import warnings
+    from mgpu_lab import TrainState
+    loader = stateful.StatefulDataLoader(Noisy(), batch_size=4, num_workers=1)
+    state = TrainState(torch.nn.Linear(6, 2), dataloader=loader, path=str(tmp_path / "ckpt.pt"))
+    next(iter(loader))
+    with pytest.warns(UserWarning, match=r"StatefulDataLoader and 1 workers: random draws inside the workers"):
+        state.save()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state.save()                                   # once
+    plain = torch.utils.data.DataLoader(Noisy(), batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # no workers: exact, no word
+        TrainState(torch.nn.Linear(6, 2), dataloader=plain).save(str(tmp_path / "plain.pt"))

@@ -220,7 +220,7 @@ def test_a_rank_that_skips_the_save_is_named(tmp_path):
     assert_no_children()
 
 
-# --------------------------------------------------------------------------- README's loop, bit for bit
+# --------------------------------------------------------------------------- a single-epoch loop, bit for bit
 
 class DropoutNet(torch.nn.Module):
     def __init__(self):
@@ -237,7 +237,8 @@ class DropoutNet(torch.nn.Module):
 
 
 def _readme_loop(path, die_at):
-    """README's library loop, as it reads (FSDP, accumulation, bf16, a schedule, TrainState, islice),
+    """The single-epoch loop without ``dataloader=`` (FSDP, accumulation, bf16, a schedule, TrainState,
+    ``islice`` skipping what was seen; README's before it went over epochs: tests/test_resume_epochs.py),
     with dropout and a shuffling DataLoader. ``die_at``: rank 1 is SIGKILLed at that step."""
     import itertools
     from torch.utils.data import DataLoader, TensorDataset
@@ -269,7 +270,7 @@ def _readme_loop(path, die_at):
     return {k: v.clone() for k, v in model.state_dict().items()}, torch.rand(2)
 
 
-def test_readmes_loop_resumes_bit_for_bit_with_dropout_and_a_shuffling_loader(tmp_path):
+def test_a_single_epoch_loop_resumes_bit_for_bit_with_dropout_and_a_shuffling_loader(tmp_path):
     from mgpu_lab import LaunchError
     full = launch(_readme_loop, nprocs=2, args=(str(tmp_path / "full.pt"), None), timeout=120)
     path = str(tmp_path / "ckpt.pt")

@@ -152,22 +152,31 @@ class LoaderPosition:
         if self.resume is not None:  # saved again before iterating since the load: what was loaded
             return self.resume["saved"]
         self._warn_inexact()
-        try:
-            done = self.batches >= len(self.loader)
-        except TypeError:  # an iterable dataset without len: resume skips to the end if that was it
-            done = False
-        if done or self.epoch_rng is None:  # the next draw is the next epoch's iterator's
-            return {"epoch_done": done, "batches": 0, "epoch_rng": None, "loader": None,
-                    "generators": [g.get_state() for g in self._generators()]}
-        return {"epoch_done": False, "batches": self.batches, "epoch_rng": self.epoch_rng,
-                "loader": self.loader.state_dict() if self.stateful else None,
-                "generators": [g.get_state() for g in self._generators()]}
+        length = self._len()
+        done = length is not None and self.batches >= length  # no len: resume skips to the end if that was it
+        state = {"epoch_done": done, "batches": 0, "epoch_rng": None, "loader": None, "len": length,
+                 "generators": [g.get_state() for g in self._generators()]}
+        if not done and self.epoch_rng is not None:  # else the next draw is the next epoch's iterator's
+            state.update(batches=self.batches, epoch_rng=self.epoch_rng,
+                         loader=self.loader.state_dict() if self.stateful else None)
+        return state
 
-    def load(self, saved: Dict[str, Any], global_rng: Dict[str, Any]) -> None:
+    def _len(self) -> Optional[int]:
+        try:
+            return len(self.loader)
+        except TypeError:  # an iterable dataset without __len__
+            return None
+
+    def load(self, saved: Dict[str, Any], global_rng: Dict[str, Any]) -> bool:
+        """Put back this rank's part; False (nothing put back) when the loader's epoch has another
+        length than the saved one's (another batch plan or number of data-parallel ranks)."""
+        if saved.get("len") != self._len():
+            return False
         self.resume = {"saved": saved, "batches": saved["batches"], "epoch_rng": saved["epoch_rng"],
                        "now": {"global": global_rng, "generators": saved["generators"]}}
         if self.stateful and saved["loader"] is not None:
             self.loader.load_state_dict(saved["loader"])
+        return True
 
     def _warn_inexact(self) -> None:
         workers = getattr(self.loader, "num_workers", 0) > 0

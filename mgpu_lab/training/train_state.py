@@ -308,14 +308,17 @@ class TrainState:
         if self._rng_hook is not None:
             self._rng_hook.remove()
             self._rng_hook = None
+        again = " and the data loader starts the saved epoch again" if self._position is not None else ""
         if len(self._loaded_rng) != world:
             warnings.warn(f"the checkpoint was written by {len(self._loaded_rng)} rank(s), this run has {world}: "
                           "model, optimizer and counters are restored, but random draws will not continue "
-                          "bit for bit" + (" and the data loader starts its epoch again" if self._position else ""),
-                          stacklevel=3)
+                          "bit for bit" + again, stacklevel=3)
         elif self._position is not None and state.get("data") is not None and restore_rng:
-            self._position.load(state["data"][rank], self._loaded_rng[rank])
-            return
+            if self._position.load(state["data"][rank], self._loaded_rng[rank]):
+                return
+            warnings.warn(f"rank {rank}: the loader's epoch has another number of batches than when the checkpoint "
+                          "was written (another batch plan or data-parallel size): model, optimizer, counters and "
+                          "the RNG are restored" + again, stacklevel=3)
         if restore_rng:
             self._rng_hook = self.model.register_forward_pre_hook(lambda module, args: self.restore_rng())
 
