@@ -183,3 +183,19 @@ def test_draws_inside_workers_that_cannot_continue_are_said_once_at_save(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("error")                 # no workers: exact, no word
         TrainState(torch.nn.Linear(6, 2), dataloader=plain).save(str(tmp_path / "plain.pt"))
+
+
+@pytest.mark.parametrize("where", ["at the last batch", "after the loop"])
+def test_a_save_at_an_epochs_end_resumes_at_the_next_epoch(tmp_path, where):
+    from mgpu_lab import TrainState
+    loader = torch.utils.data.DataLoader(Noisy(), batch_size=8)   # 3 batches an epoch
+    state = TrainState(torch.nn.Linear(6, 2), dataloader=loader, path=str(tmp_path / "ckpt.pt"))
+    for epoch in range(state.epoch, 2):
+        for i, _ in enumerate(loader):
+            if epoch == 0 and i == 2 and where == "at the last batch":
+                state.save()
+        if epoch == 0 and where == "after the loop":
+            assert state.epoch == 1                                 # the loader's epoch ended
+            state.save()
+    again = TrainState(torch.nn.Linear(6, 2), dataloader=torch.utils.data.DataLoader(Noisy(), batch_size=8))
+    assert again.load(str(tmp_path / "ckpt.pt")) and again.epoch == 1

@@ -99,6 +99,7 @@ class LoaderPosition:
         loader.__class__ = _TRACKED[base]
         loader.__dict__["_mgpu_lab_position"] = self
         self.loader, self.owner, self.stateful = loader, owner, stateful(loader)
+        self.epoch = owner.epoch                            # the epoch of the current iterator
         self.batches = 0                                    # yielded by the current epoch's iterator
         self.epoch_rng: Optional[Dict[str, Any]] = None     # the generators as that iterator was made
         self.resume: Optional[Dict[str, Any]] = None        # what load() put back, for the next iter()
@@ -129,7 +130,7 @@ class LoaderPosition:
             self.put_back(resume["epoch_rng"])       # the seeds this epoch's iterator drew in the saved run
         elif resume is not None:
             self.put_back(resume["now"])             # a new epoch: its iterator draws after the save
-        epoch = self.owner.epoch
+        epoch = self.epoch = self.owner.epoch
         self.epoch_rng, self.batches = self.snapshot(), 0
         it = iter(make())
         if resume is not None and resume["epoch_rng"] is not None:
@@ -154,7 +155,8 @@ class LoaderPosition:
         self._warn_inexact()
         length = self._len()
         done = length is not None and self.batches >= length  # no len: resume skips to the end if that was it
-        state = {"epoch_done": done, "batches": 0, "epoch_rng": None, "loader": None, "len": length,
+        state = {"epoch_done": done, "next_epoch": self.epoch + 1 if done else self.epoch, "batches": 0,
+                 "epoch_rng": None, "loader": None, "len": length,
                  "generators": [g.get_state() for g in self._generators()]}
         if not done and self.epoch_rng is not None:  # else the next draw is the next epoch's iterator's
             state.update(batches=self.batches, epoch_rng=self.epoch_rng,

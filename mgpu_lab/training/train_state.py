@@ -146,8 +146,8 @@ class TrainState:
                  "extra": dict(self.extra)}
         if self._position is not None:
             state["data"] = [p and p[1] for p in parts]
-            if rank == 0 and all(p[1]["epoch_done"] for p in parts):
-                state["epoch"] = self.epoch + 1  # saved after the epoch's last batch: resume at the next
+            if rank == 0 and all(p[1]["epoch_done"] for p in parts):  # after the epoch's last batch (in the
+                state["epoch"] = parts[0][1]["next_epoch"]                # loop or after it): resume at the next
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
