@@ -160,3 +160,25 @@ def read_tensors(model, optimizer, folder: str, holds: str) -> Dict[str, torch.T
     # strict loading needs the names the model lacks too: the stored names, without their tensors
     targets.update({k: None for k in have if k.startswith("model/") and k not in targets})  # type: ignore[misc]
     return targets
+
+
+def split_state(model, optimizer, meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """This rank's tensors to save (``model/<name>``, ``optim/<name>/<key>``: DTensor pieces as they
+    are); the optimizer's plain values (steps, parameter groups) go into ``meta`` on rank 0."""
+    from . import state_dicts
+    tensors = {f"model/{k}": v for k, v in state_dicts.model_state(model, full=False).items()}
+    if optimizer is None:
+        return tensors
+    opt = state_dicts.optimizer_state(model, optimizer, full=False)
+    plain: Dict[str, Dict[str, Any]] = {}
+    for name, st in (opt or {"state": {}})["state"].items():
+        for key, value in st.items():
+            if torch.is_tensor(value):
+                tensors[f"optim/{name}/{key}"] = value
+            else:
+                plain.setdefault(name, {})[key] = value
+    merged = state_dicts.merge_optimizer_on_rank0(
+        model, optimizer, {"state": plain, "param_groups": opt["param_groups"]} if opt else None)
+    if merged is not None:
+        meta["optimizer"] = merged
+    return tensors

@@ -176,20 +176,7 @@ class TrainState:
                        before_replace=lambda: generations.rotate(path, self.keep))
             return
         meta = self._plain_state()
-        tensors = {f"model/{k}": v for k, v in state_dicts.model_state(self.model, full=False).items()}
-        if self.optimizer is not None:
-            opt = state_dicts.optimizer_state(self.model, self.optimizer, full=False)
-            plain: Dict[str, Dict[str, Any]] = {}
-            for name, st in (opt or {"state": {}})["state"].items():
-                for key, value in st.items():
-                    if torch.is_tensor(value):
-                        tensors[f"optim/{name}/{key}"] = value
-                    else:
-                        plain.setdefault(name, {})[key] = value
-            merged = state_dicts.merge_optimizer_on_rank0(
-                self.model, self.optimizer, {"state": plain, "param_groups": opt["param_groups"]} if opt else None)
-            if merged is not None:
-                meta["optimizer"] = merged
+        tensors = sharded_checkpoint.split_state(self.model, self.optimizer, meta)
         try:
             sharded_checkpoint.save(path, tensors, meta, self.step, _barrier, self.keep)
         except CheckpointError:
