@@ -199,3 +199,34 @@ def test_a_save_at_an_epochs_end_resumes_at_the_next_epoch(tmp_path, where):
             state.save()
     again = TrainState(torch.nn.Linear(6, 2), dataloader=torch.utils.data.DataLoader(Noisy(), batch_size=8))
     assert again.load(str(tmp_path / "ckpt.pt")) and again.epoch == 1
+
+
+def _one_process_run(path, stop_at, epochs=2):
+    """Dropout, augmentation drawn inside a worker, DataLoader(shuffle=True, num_workers=1)."""
+    from mgpu_lab import TrainState
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Dropout(0.3), torch.nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=1)
+    torch.manual_seed(5)
+    state = TrainState(model, opt, dataloader=loader, path=path)
+    state.load()
+    for epoch in range(state.epoch, epochs):
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            state.step += 1
+            if state.step == stop_at:
+                state.save()
+                return None
+    return [p.detach().clone() for p in model.parameters()], torch.rand(2)
+
+
+@pytest.mark.parametrize("stop", [6, 8], ids=["at an epoch boundary", "mid-epoch"])
+def test_a_plain_loader_with_workers_resumes_bit_for_bit(tmp_path, stop):
+    full = _one_process_run(str(tmp_path / "full.pt"), None)
+    _one_process_run(str(tmp_path / "cut.pt"), stop)
+    resumed = _one_process_run(str(tmp_path / "cut.pt"), None)
+    assert all(torch.equal(a, b) for a, b in zip(full[0], resumed[0]))
+    assert torch.equal(full[1], resumed[1])

@@ -73,7 +73,13 @@ def failure_cause(exc: BaseException) -> Tuple[str, str]:
         if isinstance(e, (NotADirectoryError, IsADirectoryError, FileExistsError)):
             return (f"a path component is not a folder ({e.strerror}: {e.filename})",
                     "give a path whose folders are folders (or can be created)")
-    text = " ".join(str(e) for e in chain)
+    text = " ".join(str(e) for e in chain)  # DCP's CheckpointException holds its ranks' errors as text
+    if "No space left on device" in text or "Disk quota exceeded" in text:
+        return ("out of disk space (or over quota)",
+                "free space there or save elsewhere; the previous generations are untouched")
+    if "Permission denied" in text or "Read-only file system" in text:
+        return ("permission denied (or a read-only file system)",
+                "save into a folder this user can write, or fix its permissions")
     if any(isinstance(e, EOFError) or (isinstance(e, OSError) and e.errno == errno.EINVAL) for e in chain) or any(
             w in text for w in ("truncated", "central directory", "failed reading zip", "file not found: archive",
                                 "Ran out of input", "unexpected EOF", "checksum", "CRC")):
