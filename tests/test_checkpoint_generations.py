@@ -51,6 +51,9 @@ def test_keep_n_generations_and_fall_back_past_a_truncated_newest(tmp_path):
         assert fresh.load()
     assert fresh.step == 2
     assert all(torch.equal(fresh.model.state_dict()[k], w) for k, w in weights[2].items())
+    os.unlink(path)                                             # cut short between two renames: no newest
+    with pytest.warns(UserWarning, match=r"ckpt\.pt is missing.*loaded .*ckpt\.pt\.1"):
+        assert trained_state(path, keep=2).load()
 
 
 def test_a_truncated_one_file_checkpoint_raises_checkpoint_error_naming_the_file(tmp_path):

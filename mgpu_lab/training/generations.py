@@ -58,7 +58,7 @@ def rotate(path: str, keep: int) -> None:
         if os.path.isfile(older(path, i)):
             os.replace(older(path, i), older(path, i + 1))
     if keep > 1 and os.path.isfile(path):
-        link = tempfile.mktemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        link = os.path.join(folder, f".{os.path.basename(path)}.rotate.tmp")  # a dead save's: clear_stale removed it
         try:
             os.link(path, link)          # path stays whole; its second name becomes path.1
             os.replace(link, older(path, 1))

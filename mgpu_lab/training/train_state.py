@@ -229,6 +229,9 @@ class TrainState:
             warnings.warn(f"TrainState.load: {failures[0][0]} ({failures[0][1]} generation) is unreadable: "
                           f"{failures[0][2].cause}; loaded {where} ({generation}, step {state.get('step')}) instead",
                           stacklevel=2)
+        elif not sharded and candidates[0][0] != path:
+            warnings.warn(f"TrainState.load: {path} is missing (a save was cut short between two renames); "
+                          f"loaded {where} ({generation}, step {state.get('step')})", stacklevel=2)
         try:
             self._apply(state, tensors, where, sharded, strict)
         except CheckpointError:
