@@ -29,50 +29,51 @@ class Noisy(torch.utils.data.Dataset):
         return self.x[i] + 0.1 * torch.randn(6), self.y[i]
 
 
+class Stopped(Exception):
+    pass
+
+
+def readme_loop():
+    """README's training loop, as it reads."""
+    import re
+    from conftest import ROOT
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return next(b for b in blocks if "for epoch in range(state.epoch, E)" in b)
+
+
 def _epoch_loop(path, stop_at, kind):
-    """README's loop over epochs (FSDP, accumulation, a schedule, TrainState with the loader, a
-    shuffling DistributedSampler, dropout, augmentation). Returns after saving at ``stop_at``.
-    ``kind``: "plain" (a DataLoader), "stateful" (torchdata's), "shuffle" (a DataLoader(shuffle=True):
-    every rank its own order, drawn from the global RNG at each epoch's first batch)."""
-    from torch.utils.data import DataLoader, DistributedSampler
-    from mgpu_lab import FSDP, GradientAccumulator, LossScaler, TrainState, autocast_dtype, rank_device
+    """README's loop over epochs, as it reads (FSDP, accumulation, bf16, a schedule, batch_plan, a shuffling
+    DistributedSampler, TrainState with the loader), with dropout and augmentation from the global RNG,
+    except: 3 epochs of 24 samples, a global batch of 8 in micro-batches of 2, and a save at ``stop_at``
+    then a return (not every 100 steps). ``kind``: "plain" (README's DataLoader), "stateful" (torchdata's),
+    "shuffle" (DataLoader(shuffle=True): every rank its own order, drawn from the global RNG at each
+    epoch's first batch)."""
     from test_train_state import DropoutNet
-    rank, device = dist.get_rank(), rank_device()
-    torch.manual_seed(10 + rank)                                  # each rank its own dropout stream
-    random.seed(rank)
-    net = DropoutNet()
-    dataset = Noisy()
-    plan = batch_plan(global_batch=8, dp_size=dist.get_world_size(), micro_batch=2)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+    torch.manual_seed(10 + dist.get_rank())                      # each rank its own dropout stream
+    random.seed(dist.get_rank())
+    block = readme_loop()
+    swaps = [("E = 10 ", "E = 3 "), ("global_batch=256", "global_batch=8"), ("micro_batch=16", "micro_batch=2"),
+             ('path="ckpt.pt"', "path=path"),
+             ("if state.step % 100 == 0:\n                state.save()",
+              "if state.step == stop_at:\n                state.save()\n                raise Stopped")]
+    loader_line = "loader = DataLoader(dataset, batch_sampler=plan.batch_sampler(sampler))"
     if kind == "stateful":
-        from torchdata.stateful_dataloader import StatefulDataLoader as Loader
-    else:
-        Loader = DataLoader
-    if kind == "shuffle":
-        loader, K = DataLoader(dataset, batch_size=2, shuffle=True), 2
-    else:
-        loader, K = Loader(dataset, batch_sampler=plan.batch_sampler(sampler)), plan.accumulation_steps
-    model = FSDP(net.to(device), units=net.blocks)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
-    dtype = autocast_dtype(device)
-    scaler = LossScaler(enabled=dtype == torch.float16)
-    acc = GradientAccumulator(model, optimizer, accumulation_steps=K, scaler=scaler, max_grad_norm=1.0)
-    state = TrainState(model, optimizer, scaler, scheduler=scheduler, dataloader=loader, path=path, keep=2)
-    state.load()
-    for epoch in range(state.epoch, E):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            with acc.micro_step(), torch.autocast(device.type, dtype=dtype):
-                acc.backward(F.cross_entropy(model(x), y), num_samples=len(x))
-            if acc.micro_steps_in_window == 0:
-                scheduler.step()
-                state.step += 1
-                if state.step == stop_at:
-                    state.save()
-                    return {"reads": dataset.reads}
-    return {"model": {k: v.clone() for k, v in model.state_dict().items()}, "rng": torch.rand(2),
-            "reads": dataset.reads, "epoch": state.epoch, "step": state.step}
+        swaps.append((loader_line, "from torchdata.stateful_dataloader import StatefulDataLoader\n"
+                                   + loader_line.replace("DataLoader(", "StatefulDataLoader(")))
+    elif kind == "shuffle":
+        swaps.append((loader_line, "loader = DataLoader(dataset, batch_size=2, shuffle=True)"))
+    for old, new in swaps:
+        assert old in block, f"README's loop changed: {old!r} is not in it"
+        block = block.replace(old, new)
+    scope = {"net": DropoutNet(), "dataset": Noisy(), "loss_fn": F.cross_entropy, "path": path,
+             "stop_at": stop_at, "Stopped": Stopped}
+    try:
+        exec(compile(block, "README.md", "exec"), scope)
+    except Stopped:
+        return {"reads": scope["dataset"].reads}
+    assert scope["K"] == 2
+    return {"model": {k: v.clone() for k, v in scope["model"].state_dict().items()}, "rng": torch.rand(2),
+            "reads": scope["dataset"].reads, "epoch": scope["state"].epoch, "step": scope["state"].step}
 
 
 def _full_stopped_resumed(folder, kind, stops):
