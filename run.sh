@@ -91,7 +91,7 @@ case "$cmd" in
     exec "$VENV/bin/mgpu-lab" tour "$@"
     ;;
   test)
-    setup course,test,lightning
+    setup course,test,lightning,data
     # The grader's sandbox (bubblewrap) and the browser test's Chromium: installed when
     # we can; the tests that need them skip, saying why, where they are missing.
     apt_install bwrap bubblewrap
@@ -114,7 +114,7 @@ case "$cmd" in
       PY=python3
       export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     else
-      setup course,test,lightning
+      setup course,test,lightning,data
     fi
     command -v nvidia-smi >/dev/null 2>&1 ||
       { echo "run.sh gpu: no nvidia-smi here; run it on a machine with an NVIDIA GPU" >&2; exit 2; }

@@ -13,13 +13,13 @@ if there is one. ``--die 7:exit,15:kill`` makes rank 1 die once at step 7
 from the OOM killer); marker files next to the checkpoint make each death happen
 only once. The final weights equal an uninterrupted run's, bit for bit.
 
-Resuming mid-epoch: the DataLoader draws a seed from the global RNG when an
-epoch's iterator is created, so the RNG is restored after that draw when the
-checkpoint was taken mid-epoch, and before it when taken at an epoch boundary
-(exactly where the saving run was at that step).
+Resuming mid-epoch or at an epoch boundary: ``TrainState(..., dataloader=loader)`` saves the
+loader's position in its epoch and every rank's random-number states as the epoch's iterator was
+made and at the save; the first ``iter(loader)`` after ``load`` replays the iterator's draws, skips
+the batches already seen (advancing the sampler only: nothing is read again) and restores the
+saved states, so dropout and the shuffle continue as if nothing happened.
 """
 import argparse
-import itertools
 import json
 import os
 import signal
@@ -74,20 +74,10 @@ def train(args):
     loader = distributed_loader(make_dataset(), batch_size=args.batch_size, drop_last=True, seed=0)
     torch.manual_seed(1000 + rank)  # every rank its own dropout stream: all of them must be restored
 
-    state = TrainState(model, optimizer, scaler)
-    resumed = state.load(args.ckpt, map_location=device, restore_rng=False)
-    start = state.step
-    pending_rng = resumed
-    while state.step < args.steps:
-        state.epoch, skip = divmod(state.step, len(loader))
-        if pending_rng and skip == 0:  # saved at an epoch boundary: before this epoch's iterator
-            state.restore_rng()
-            pending_rng = False
-        batches = itertools.islice(loader.epoch(state.epoch), skip, None)  # the sampler's epoch
-        if pending_rng:  # saved mid-epoch: after the iterator's seed draw
-            state.restore_rng()
-            pending_rng = False
-        for x, y in batches:
+    state = TrainState(model, optimizer, scaler, dataloader=loader.loader, path=args.ckpt, keep=2)
+    start = state.step if state.load(map_location=device) else 0
+    for epoch in range(state.epoch, -(-args.steps // len(loader))):   # state.epoch: the epoch to run
+        for x, y in loader.epoch(epoch):       # set_epoch, then iter(): after load, the rest of the epoch
             maybe_die(state.step, rank, args.die, os.path.dirname(os.path.abspath(args.ckpt)))
             x, y = x.to(device), y.to(device)
             loss = nn.functional.mse_loss(model(x), y)
@@ -97,7 +87,7 @@ def train(args):
             scaler.update()
             state.step += 1
             if state.step % args.every == 0:
-                state.save(args.ckpt)  # every rank: it gathers the RNG states; rank 0 writes
+                state.save()  # every rank: it gathers the RNG states; rank 0 writes
             if state.step == args.steps:
                 break
     final = {"model": unwrap(model).state_dict(), "rng": torch.rand(4)}

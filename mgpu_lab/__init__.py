@@ -20,7 +20,7 @@ The top level holds what a training script imports, by concept::
 - training: ``autocast_dtype``, ``LossScaler``, ``amp_step``, ``GradientAccumulator``,
   ``checkpoint``, ``checkpoint_sequential`` (activation recompute), ``saved_tensor_bytes``,
   ``peak_memory``, ``save_checkpoint``, ``load_checkpoint`` (files), ``TrainState``,
-  ``UnsafeCheckpointError``, ``collective_trace``, ``CollectiveError``
+  ``UnsafeCheckpointError``, ``CheckpointError``, ``batch_plan``, ``collective_trace``, ``CollectiveError``
 
 Where a name is torch's, so is the signature (``BucketedDDP(model, process_group=pg)``,
 ``ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)``, ``checkpoint(fn, x,
@@ -84,9 +84,12 @@ from .parallel.expert_parallel import ExpertParallelMoE
 # --- training: mixed precision, accumulation, activation recompute, checkpoint files, faults ---
 from .training.amp import LossScaler, amp_step, autocast_dtype
 from .training.grad_accum import GradientAccumulator
+from .training.batch_plan import batch_plan
 from .training.recompute import checkpoint, checkpoint_sequential
 from .measure.activation_memory import peak_memory, saved_tensor_bytes
-from .training.train_state import TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint
+from .training.train_state import (
+    CheckpointError, TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint,
+)
 from .measure.collective_trace import CollectiveError, collective_trace
 
 __all__ = [
@@ -108,6 +111,6 @@ __all__ = [
     # training
     "autocast_dtype", "LossScaler", "amp_step", "GradientAccumulator",
     "checkpoint", "checkpoint_sequential", "saved_tensor_bytes", "peak_memory",
-    "save_checkpoint", "load_checkpoint", "TrainState", "UnsafeCheckpointError",
-    "collective_trace", "CollectiveError",
+    "save_checkpoint", "load_checkpoint", "TrainState", "UnsafeCheckpointError", "CheckpointError",
+    "batch_plan", "collective_trace", "CollectiveError",
 ]

@@ -4,6 +4,8 @@ import os
 import socket
 import sys
 
+import pytest
+
 from mgpu_lab.runtime.torchrun import free_port
 from conftest import ROOT, finish_session, start_session
 
@@ -57,6 +59,18 @@ def test_max_restarts_restarts_the_group_after_a_failure():
     assert "attempt 1 ok, world size 2" in out
     code, _, err = finish(mgpu_lab("launch", "--max-restarts", "0", script))
     assert code == 1 and "failed" in err
+    assert "Root Cause (first observed failure)" in err and "exitcode" in err   # the summary it names
+
+
+def test_more_cpu_ranks_than_cores_is_said_once():
+    from mgpu_lab.runtime.torchrun import cpu_cores, gpu_count
+    if gpu_count():
+        pytest.skip("with GPUs, ranks run on GPUs: no note about CPU cores")
+    n = cpu_cores() + 1
+    code, out, err = finish(mgpu_lab("launch", "--dry-run", "--nproc-per-node", str(n), TRAIN))
+    assert code == 0 and err.count(f"{n} ranks on {cpu_cores()} CPU core(s)") == 1
+    code, out, err = finish(mgpu_lab("launch", "--dry-run", "--nproc-per-node", "1", TRAIN))
+    assert "CPU core" not in err
 
 
 def test_a_port_in_use_is_refused_with_advice():

@@ -26,10 +26,10 @@ def conda_packages():
 
 
 def test_environment_yml_matches_pyproject():
-    """The conda environment is the library plus its [course], [lightning] and [test] extras."""
+    """The conda environment is the library plus its [course], [lightning], [data] and [test] extras."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    wanted = [*project["dependencies"], *extras["course"], *extras["lightning"], *extras["test"]]
+    wanted = [*project["dependencies"], *extras["course"], *extras["lightning"], *extras["data"], *extras["test"]]
     assert conda_packages() == {_name(r) for r in wanted if not r.startswith("mgpu-lab")}
 
 

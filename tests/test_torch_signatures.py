@@ -45,7 +45,7 @@ TOP_LEVEL = {  # the public API, by concept: what a training script imports
                        "Schedule1F1B", "ScheduleInterleaved1F1B", "ring_attention", "MoE", "ExpertParallelMoE"],
     "training": ["autocast_dtype", "LossScaler", "amp_step", "GradientAccumulator", "checkpoint",
                  "checkpoint_sequential", "saved_tensor_bytes", "peak_memory", "save_checkpoint", "load_checkpoint",
-                 "TrainState", "UnsafeCheckpointError", "collective_trace", "CollectiveError"],
+                 "TrainState", "UnsafeCheckpointError", "CheckpointError", "batch_plan", "collective_trace", "CollectiveError"],
 }
 TEACHING_TOOLS = {  # importable from their modules only
     "mgpu_lab.parallel.collectives": ["simulate_ring_allreduce", "ring_schedule", "RingState", "bus_bandwidth"],

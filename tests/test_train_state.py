@@ -17,7 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from conftest import ROOT, VOCAB, TiedNet, assert_no_children
 from mgpu_lab import LossScaler, launch
 from mgpu_lab.parallel.wrappers import unwrap
-from mgpu_lab.training.train_state import TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint
+from mgpu_lab.training.train_state import (
+    CheckpointError, TrainState, UnsafeCheckpointError, load_checkpoint, save_checkpoint,
+)
 
 
 def leftovers(folder):
@@ -42,7 +44,7 @@ def test_a_failed_rename_leaves_the_previous_checkpoint_whole(tmp_path, monkeypa
     def broken_replace(src, dst):
         raise OSError("disk full (injected)")
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(CheckpointError, match="injected"):
         save_checkpoint(path, step=2, weights=torch.zeros(1000))
     monkeypatch.undo()
     state = load_checkpoint(path)
@@ -218,7 +220,7 @@ def test_a_rank_that_skips_the_save_is_named(tmp_path):
     assert_no_children()
 
 
-# --------------------------------------------------------------------------- README's loop, bit for bit
+# --------------------------------------------------------------------------- a single-epoch loop, bit for bit
 
 class DropoutNet(torch.nn.Module):
     def __init__(self):
@@ -235,7 +237,8 @@ class DropoutNet(torch.nn.Module):
 
 
 def _readme_loop(path, die_at):
-    """README's library loop, as it reads (FSDP, accumulation, bf16, a schedule, TrainState, islice),
+    """The single-epoch loop without ``dataloader=`` (FSDP, accumulation, bf16, a schedule, TrainState,
+    ``islice`` skipping what was seen; README's before it went over epochs: tests/test_resume_epochs.py),
     with dropout and a shuffling DataLoader. ``die_at``: rank 1 is SIGKILLed at that step."""
     import itertools
     from torch.utils.data import DataLoader, TensorDataset
@@ -267,7 +270,7 @@ def _readme_loop(path, die_at):
     return {k: v.clone() for k, v in model.state_dict().items()}, torch.rand(2)
 
 
-def test_readmes_loop_resumes_bit_for_bit_with_dropout_and_a_shuffling_loader(tmp_path):
+def test_a_single_epoch_loop_resumes_bit_for_bit_with_dropout_and_a_shuffling_loader(tmp_path):
     from mgpu_lab import LaunchError
     full = launch(_readme_loop, nprocs=2, args=(str(tmp_path / "full.pt"), None), timeout=120)
     path = str(tmp_path / "ckpt.pt")
@@ -351,7 +354,7 @@ def test_a_checkpoint_that_cannot_load_says_what_it_holds_and_what_to_do(tmp_pat
     path = str(tmp_path / "fsdp.pt")
     launch(_portable, nprocs=2, args=(path, "fsdp", None, 1), timeout=120)
     other = torch.nn.Sequential(torch.nn.Linear(3, 3))
-    with pytest.raises(KeyError, match=r"saved under fsdp on 2 rank\(s\).*build the same model"):
+    with pytest.raises(CheckpointError, match=r"saved under fsdp on 2 rank\(s\).*build the same model"):
         TrainState(other).load(path)
     old = load_checkpoint(path)  # the format before per-parameter state: FSDP's optimizer state per rank
     old.pop("format")
@@ -359,7 +362,7 @@ def test_a_checkpoint_that_cannot_load_says_what_it_holds_and_what_to_do(tmp_pat
     save_checkpoint(path, **old)
     model = TiedNet(seed=0)
     state = TrainState(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
-    with pytest.raises(ValueError, match=r"per-rank state of 2 ranks.*Resume once under FSDP on 2 ranks"):
+    with pytest.raises(CheckpointError, match=r"per-rank state of 2 ranks.*Resume once under FSDP on 2 ranks"):
         state.load(path)
 
 
@@ -380,7 +383,7 @@ def test_a_sharded_checkpoint_survives_a_crash_mid_save(tmp_path, monkeypatch):
     state.step = 2
     with torch.no_grad():
         model.hidden.weight.add_(1.0)
-    with pytest.raises(OSError, match="lost power"):
+    with pytest.raises(CheckpointError, match="lost power"):
         state.save(folder)
     monkeypatch.undo()
     fresh = TiedNet(seed=3)

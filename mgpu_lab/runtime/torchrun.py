@@ -25,7 +25,7 @@ import os
 import shlex
 import socket
 import sys
-from typing import List
+from typing import List, Optional
 
 from .devices import gpu_count
 
@@ -87,8 +87,29 @@ def torchrun_args(args: argparse.Namespace) -> List[str]:
     ]
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def oversubscription_note(nproc: int) -> Optional[str]:
+    """One line when ``nproc`` CPU ranks (no GPU) outnumber the cores: they will time-share."""
+    cores = cpu_cores()
+    if gpu_count() or nproc <= cores:
+        return None
+    return (f"mgpu-lab launch: {nproc} ranks on {cores} CPU core(s): the ranks time-share the cores, so the run is "
+            f"about {nproc / cores:.1f}x slower per step than on {nproc} cores and its timings are not theirs "
+            "(correct, only slow); --nproc-per-node sets the count")
+
+
 def run(args: argparse.Namespace) -> int:
     argv = torchrun_args(args)
+    note = oversubscription_note(args.nproc_per_node or gpu_count() or 2)
+    if note:
+        print(note, file=sys.stderr)
     if args.dry_run:
         print(shlex.join(["torchrun", *argv]))
         return 0
@@ -100,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         torchrun_main(argv)
-    except ChildFailedError as exc:  # torchrun already printed which rank failed and why
-        print(f"mgpu-lab launch: {exc.name} failed; see the error summary above.", file=sys.stderr)
+    except ChildFailedError as exc:  # torchrun's summary: which rank failed first, its exit code and error
+        print(exc.format_msg(), file=sys.stderr)
+        print(f"mgpu-lab launch: {exc.name} failed; the summary above names the first rank that failed.",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -14,16 +14,22 @@
    strings and containers; a file that carries anything else is refused with
    ``UnsafeCheckpointError`` before any of it runs. ``save_checkpoint`` refuses to
    write such objects in the first place (store ``obj.state_dict()`` instead).
+3. **Failures that say what happened**: a save or a load that fails raises one
+   :class:`CheckpointError` naming the file, the generation and the step, the cause in
+   words (truncated, not a checkpoint, out of disk, permission) and what to do; torch's
+   own exception (``EOFError``, "PytorchStreamReader failed ...", "unexpected pos ...")
+   is chained to it as ``__cause__``.
 
 :class:`~mgpu_lab.training.train_state.TrainState` writes its one-file checkpoints with these.
 """
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,8 +42,67 @@ _SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None),
                 torch.Size)
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded. The message names the file, the generation and the
+    step, the cause and what to do; ``path``, ``generation``, ``step`` and ``cause`` hold them, and the
+    original exception is ``__cause__``."""
+
+    def __init__(self, message: str, *, path: Optional[str] = None, generation: Optional[str] = None,
+                 step: Optional[int] = None, cause: str = ""):
+        super().__init__(message)
+        self.path, self.generation, self.step, self.cause = path, generation, step, cause
+
+
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """The file holds pickled objects that loading would have to execute; nothing ran."""
+
+
+def failure_cause(exc: BaseException) -> Tuple[str, str]:
+    """``(cause, what to do)`` in words for an exception raised while writing or reading a file."""
+    chain, e = [], exc  # the OS's errno may sit below torch's words
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return ("out of disk space (or over quota)",
+                    "free space there or save elsewhere; the previous generations are untouched")
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return ("permission denied (or a read-only file system)",
+                    "save into a folder this user can write, or fix its permissions")
+        if isinstance(e, (NotADirectoryError, IsADirectoryError, FileExistsError)):
+            return (f"a path component is not a folder ({e.strerror}: {e.filename})",
+                    "give a path whose folders are folders (or can be created)")
+    text = " ".join(str(e) for e in chain)  # DCP's CheckpointException holds its ranks' errors as text
+    if "No space left on device" in text or "Disk quota exceeded" in text:
+        return ("out of disk space (or over quota)",
+                "free space there or save elsewhere; the previous generations are untouched")
+    if "Permission denied" in text or "Read-only file system" in text:
+        return ("permission denied (or a read-only file system)",
+                "save into a folder this user can write, or fix its permissions")
+    if any(isinstance(e, EOFError) or (isinstance(e, OSError) and e.errno == errno.EINVAL) for e in chain) or any(
+            w in text for w in ("truncated", "central directory", "failed reading zip", "file not found: archive",
+                                "Ran out of input", "unexpected EOF", "checksum", "CRC")):
+        return ("truncated or corrupt (a save that did not finish, or a damaged copy)",
+                "load an older generation (TrainState(..., keep=N) keeps and falls back to them) or delete the file")
+    if any(isinstance(e, (pickle.UnpicklingError, KeyError)) for e in chain) or "invalid load key" in text:
+        return ("not a checkpoint (not a file torch.save wrote)", "check the path")
+    if isinstance(exc, OSError):
+        return (f"{exc.strerror or exc}", "check the path and the file system")
+    return (f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            "see the chained exception")
+
+
+def checkpoint_error(action: str, path: str, exc: BaseException, generation: Optional[str] = None,
+                     step: Optional[int] = None) -> CheckpointError:
+    """A :class:`CheckpointError` for ``exc``, raised while ``action`` ("saving", "loading") ``path``."""
+    cause, todo = failure_cause(exc)
+    where = ", ".join(x for x in (f"generation {generation}" if generation is not None else "",
+                                  f"step {step}" if step is not None else "") if x)
+    err = CheckpointError(f"{action} checkpoint {path!r}{f' ({where})' if where else ''} failed: {cause}. "
+                          f"What to do: {todo}.", path=path, generation=generation, step=step, cause=cause)
+    err.__cause__ = exc
+    return err
 
 
 # --------------------------------------------------------------------------- atomic save, safe load
@@ -51,12 +116,21 @@ def save_checkpoint(path: str, **state: Any) -> None:
     """
     if not state:
         raise ValueError("save_checkpoint(path, **state): give what to save, e.g. model=model.state_dict()")
+    _save_file(os.fspath(path), state, f"save_checkpoint({os.fspath(path)!r})")
+
+
+def _save_file(path: str, state: Dict[str, Any], what: str, before_replace=None, generation=None) -> None:
+    """``save_checkpoint``'s work; ``before_replace`` (rank 0, after the write, before the rename)."""
     _check_loadable(state, "state")
     rank, world = rank_and_world_size()
     if rank == 0:
-        write_atomically(os.fspath(path), lambda f: torch.save(state, f))
+        try:
+            write_atomically(path, lambda f: torch.save(state, f), before_replace)
+        except Exception as exc:
+            step = state.get("step") if isinstance(state.get("step"), int) else None
+            raise checkpoint_error("saving", path, exc, generation, step) from exc
     if world > 1:
-        _barrier(f"save_checkpoint({os.fspath(path)!r})")
+        _barrier(what)
 
 
 def load_checkpoint(path: str, map_location=None) -> Dict[str, Any]:
@@ -71,13 +145,17 @@ def load_checkpoint(path: str, map_location=None) -> Dict[str, Any]:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
+        if "GLOBAL" not in str(exc) and "global" not in str(exc):  # e.g. "Unsupported operand": garbage
+            raise checkpoint_error("loading", path, exc) from exc  # damaged, not unsafe
         detail = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line),
                       str(exc).splitlines()[0] if str(exc) else "")
         raise UnsafeCheckpointError(
             f"load_checkpoint: {path!r} carries pickled Python objects that loading would execute ({detail}). "
             "Refused: nothing in it ran. Checkpoints from save_checkpoint hold only tensors, numbers, strings "
-            "and containers. Only if you made this file yourself and trust it: torch.load(path, weights_only=False)."
-        ) from None
+            "and containers. Only if you made this file yourself and trust it: torch.load(path, weights_only=False).",
+            path=path, cause="pickled code") from None
+    except Exception as exc:  # EOFError, "PytorchStreamReader failed ...", a KeyError from a garbled pickle
+        raise checkpoint_error("loading", path, exc) from exc
 
 
 def _check_loadable(obj: Any, where: str) -> None:

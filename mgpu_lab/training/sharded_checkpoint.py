@@ -16,7 +16,9 @@ folder of generations::
 
 ``save`` writes a new generation under a temporary name, then rank 0 renames it and
 replaces ``latest`` (two atomic renames): a crash at any moment leaves ``latest``
-pointing at a complete generation. Older generations are removed after the switch.
+pointing at a complete generation. After the switch, generations beyond the newest ``keep``
+and the temporary folders of saves that died are removed. ``generations`` lists them newest
+first (``latest``'s, then the others by step), for a load that falls back when one is unreadable.
 ``meta.pt`` holds what is not a tensor (step, RNG states, scheduler, parameter groups),
 written by rank 0 atomically (``atomic_file.py``, as ``save_checkpoint`` writes). Tensors
 live under ``model/<name>`` and ``optim/<name>/<state key>``.
@@ -53,8 +55,26 @@ def latest(path: str) -> Optional[str]:
     return folder
 
 
+def generations(path: str) -> List[str]:
+    """The generation folders under ``path``, newest first: ``latest``'s, then the others by step."""
+    try:
+        names = [n for n in os.listdir(path) if n.startswith("step-") and os.path.isdir(os.path.join(path, n))]
+    except OSError:
+        return []
+    names.sort(key=lambda n: (n.split("-")[1], os.path.getmtime(os.path.join(path, n))), reverse=True)
+    folders = [os.path.join(path, n) for n in names]
+    try:
+        newest = latest(path)
+    except FileNotFoundError:
+        newest = None
+    if newest is not None and newest in folders:
+        folders.remove(newest)
+        folders.insert(0, newest)
+    return folders
+
+
 def save(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], step: int,
-         barrier: Callable[[str], None]) -> str:
+         barrier: Callable[[str], None], keep: int = 1) -> str:
     """Every rank calls it with its own ``tensors``; rank 0 also writes ``meta``. Returns the folder."""
     import torch.distributed.checkpoint as dcp
     path = os.fspath(path)
@@ -73,8 +93,10 @@ def save(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], step
         os.replace(tmp, final)               # 1. the generation is complete under its name
         fsync_dir(path)
         _write_text(os.path.join(path, LATEST), name[0] + "\n")   # 2. the switch
-        for old in os.listdir(path):         # 3. older generations and interrupted saves
-            if old.startswith(("step-", ".step-")) and old != name[0]:
+        for old in generations(path)[keep:]:  # 3. generations beyond keep, and interrupted saves
+            _remove_tree(old)
+        for old in os.listdir(path):
+            if old.startswith(".step-") and old != name[0]:
                 _remove_tree(os.path.join(path, old))
     if rank_and_world_size()[1] > 1:
         barrier(f"TrainState.save({path!r})")
@@ -106,3 +128,57 @@ def optimizer_keys(metadata: Dict[str, Any]) -> Dict[str, List[str]]:
             name, k = key[len("optim/"):].rsplit("/", 1)
             out.setdefault(name, []).append(k)
     return out
+
+
+def read_tensors(model, optimizer, folder: str, holds: str) -> Dict[str, torch.Tensor]:
+    """This rank's pieces of the model's tensors (``model/<name>``) and of the optimizer's state
+    (``optim/<name>/<key>``), read from the generation ``folder``, allocated as this layout holds
+    them. KeyError if the model has a tensor the generation lacks."""
+    from ..parallel import wrappers
+    from . import state_dicts
+    what = f"{folder} ({holds})"
+    have = stored(folder)
+    model_targets = wrappers.unwrap(model).state_dict()  # this rank's pieces (mgpu_lab FSDP: whole tensors)
+    missing = [k for k in model_targets if f"model/{k}" not in have]
+    if missing:
+        raise KeyError(f"{what} has no {missing[:5]}: it holds "
+                       f"{sum(k.startswith('model/') for k in have)} model tensors; build the same model")
+    targets = {f"model/{k}": torch.empty_like(t) for k, t in model_targets.items()}
+    opt_keys = optimizer_keys(have)
+    if optimizer is not None:
+        names, groups = state_dicts.parameter_names(model), state_dicts._fsdp_groups(model)
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            for n in names.get(id(p), []):
+                for k in opt_keys.get(n, []):
+                    md = have[f"optim/{n}/{k}"]
+                    size, dtype = tuple(md.size), md.properties.dtype
+                    if id(p) not in groups and len(size) > 0 and size == tuple(p.shape):
+                        targets[f"optim/{n}/{k}"] = torch.empty_like(p, dtype=dtype)
+                    else:
+                        targets[f"optim/{n}/{k}"] = torch.empty(size, dtype=dtype, device=p.device)
+    load(folder, targets)
+    # strict loading needs the names the model lacks too: the stored names, without their tensors
+    targets.update({k: None for k in have if k.startswith("model/") and k not in targets})  # type: ignore[misc]
+    return targets
+
+
+def split_state(model, optimizer, meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """This rank's tensors to save (``model/<name>``, ``optim/<name>/<key>``: DTensor pieces as they
+    are); the optimizer's plain values (steps, parameter groups) go into ``meta`` on rank 0."""
+    from . import state_dicts
+    tensors = {f"model/{k}": v for k, v in state_dicts.model_state(model, full=False).items()}
+    if optimizer is None:
+        return tensors
+    opt = state_dicts.optimizer_state(model, optimizer, full=False)
+    plain: Dict[str, Dict[str, Any]] = {}
+    for name, st in (opt or {"state": {}})["state"].items():
+        for key, value in st.items():
+            if torch.is_tensor(value):
+                tensors[f"optim/{name}/{key}"] = value
+            else:
+                plain.setdefault(name, {})[key] = value
+    merged = state_dicts.merge_optimizer_on_rank0(
+        model, optimizer, {"state": plain, "param_groups": opt["param_groups"]} if opt else None)
+    if merged is not None:
+        meta["optimizer"] = merged
+    return tensors

@@ -145,9 +145,11 @@ def model_state(model: nn.Module, full: bool = True) -> Dict[str, torch.Tensor]:
     return {k: _full(v) if full else v for k, v in sd.items()}
 
 
-def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], what: str = "the checkpoint") -> None:
+def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], what: str = "the checkpoint",
+                     strict: bool = False) -> None:
     """Load a plain model's state (whole tensors, or pieces laid out as this model's) into any layout.
-    Every name this rank's module has must be there; names it lacks are another stage's."""
+    Every name this rank's module has must be there; ``strict``: and no name that no rank's module
+    has (names this rank lacks may be another stage's)."""
     module = wrappers.unwrap(model)
     targets = module.state_dict()  # this rank's pieces (mgpu_lab FSDP: whole tensors, gathered)
     missing = [k for k in targets if k not in state]
@@ -156,6 +158,8 @@ def load_model_state(model: nn.Module, state: Dict[str, torch.Tensor], what: str
                        f"({len(missing)} of this model's {len(targets)} tensors). It holds "
                        f"{_sample(state)}: build the same model (the names must match the plain module's) "
                        "before wrapping it")
+    if strict:
+        refuse_unexpected(model, state, what)
     for k, t in targets.items():
         if tuple(state[k].shape) != tuple(t.shape):
             raise ValueError(f"{what}: {k} has shape {tuple(state[k].shape)}, this model's {tuple(t.shape)}: "
@@ -312,3 +316,39 @@ def merge_optimizer_on_rank0(model: nn.Module, optimizer, state: Optional[Dict[s
             seen += [n for n in other[i] if n not in seen]
         param_groups.append({**g, "params": seen})
     return {"state": merged, "param_groups": param_groups}
+
+
+def refuse_unexpected(model: nn.Module, saved: Dict[str, Any], what: str) -> None:
+    """torch's ``load_state_dict(strict=True)``: names the model lacks are refused. A pipeline stage
+    holds only its names: the ranks' names together are the model's."""
+    names = set(wrappers.unwrap(model).state_dict())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, sorted(names))
+        names = set().union(*every)
+    unexpected = sorted(set(saved) - names)
+    if unexpected:
+        raise KeyError(f"{what} holds {len(unexpected)} tensor(s) this model lacks: {unexpected[:6]}"
+                       f"{' ...' if len(unexpected) > 6 else ''}. Build the model the checkpoint was saved from "
+                       "(the same layers), or load(..., strict=False) to ignore them")
+
+
+def load_legacy_optimizer(model: nn.Module, optimizer, state: Dict[str, Any], what: str) -> None:
+    """Format 1 (before per-parameter state): loads only under the layout that wrote it."""
+    saved = state["optimizer"]
+    if isinstance(saved, dict) and "per_rank" in saved:
+        parts = saved["per_rank"]
+        kind = wrappers.wrapper_kind(model)
+        n = wrappers.world_size(model) if kind != "local" else 1
+        if kind != "fsdp" or len(parts) != n:
+            raise ValueError(f"{what}: its optimizer state is mgpu_lab FSDP's per-rank state of {len(parts)} ranks "
+                             f"(an older format); this run is {kind} on {n} rank(s). Resume once under FSDP on "
+                             f"{len(parts)} ranks and save again: the new format is per parameter and loads anywhere")
+        optimizer.load_state_dict(parts[wrappers.unwrap(model).rank])
+        return
+    try:
+        optimizer.load_state_dict(saved)
+    except (KeyError, ValueError, IndexError, RuntimeError) as exc:
+        raise ValueError(f"{what}: its optimizer state is the optimizer's own state dict (an older format, by "
+                         f"parameter index) and does not fit this optimizer ({type(exc).__name__}: {exc}). Resume "
+                         "once under the layout that wrote it and save again: the new format loads anywhere") from exc

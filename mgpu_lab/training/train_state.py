@@ -25,32 +25,44 @@ happened, and (4) loads on the machines you have *now*.
    ``torch.distributed.checkpoint`` folder instead (:mod:`~mgpu_lab.training.sharded_checkpoint`),
    for models too large to gather on one rank; ``load`` reads either kind.
 
+5. **Generations that fall back**: ``keep=N`` keeps the newest N saves (``ckpt.pt``,
+   ``ckpt.pt.1``, ...; :mod:`~mgpu_lab.training.generations`; sharded: N generation folders);
+   ``load`` reads and checks them newest first and warns, naming the file, when it passes
+   over an unreadable one. A save that died leaves temporary files the next save removes.
+   Every failure is one :class:`~mgpu_lab.training.checkpoint_file.CheckpointError` naming
+   the file, generation and step, the cause and what to do. ``load`` is strict, as torch's
+   ``load_state_dict``: tensors the model lacks are refused by name (``strict=False``).
+
 Typical loop (README's; the whole pattern is ``examples/resumable_train.py``)::
 
-    state = TrainState(model, optimizer, scaler, scheduler=scheduler)
-    state.load(path)                      # resumes if it exists, else no-op
-    for x, y in itertools.islice(loader, state.step * K, None):   # skip what was seen
-        ...one micro-step; every K-th: an optimizer step and state.step += 1...
-        if state.step % every == 0:
-            state.save(path)              # every rank calls it (it gathers RNG states)
+    state = TrainState(model, optimizer, scaler, scheduler=scheduler, dataloader=loader,
+                       path="ckpt.pt", keep=3)            # the folder must be writable: checked now
+    state.load()                                         # resumes if a generation exists, else no-op
+    for epoch in range(state.epoch, E):
+        sampler.set_epoch(epoch)
+        for x, y in loader:                              # after load: the rest of the saved epoch
+            ...one micro-step; every K-th: an optimizer step and state.step += 1...
+            if state.step % every == 0:
+                state.save()                             # every rank calls it (it gathers RNG states)
 
 RNG and data loaders: a ``DataLoader`` draws a seed from the global RNG when its
-iterator is created (and a shuffling sampler another at the first batch). In the
-uninterrupted run that happened before any training step, so ``load`` does not
-restore the RNG at once: it restores it just before the model's next forward, after
-the loop above made its iterator and skipped the batches already seen, as the
-uninterrupted run's draws were. Data drawn from the *global* RNG between ``load`` and
-the first forward is drawn before the restore: draw it from your own
-``torch.Generator``, or call ``restore_rng()`` yourself first. The RNG of a rank that
-did not exist when the checkpoint was written cannot be restored and keeps its seed
-(a warning).
+iterator is created (and a shuffling sampler another at the first batch), between the
+model's draws. With ``dataloader=`` the checkpoint holds the loader's position in its epoch
+and the generators' states as that epoch's iterator was made and at the save; the next
+``iter(loader)`` after ``load`` replays the iterator's draws, skips the batches already
+seen, then restores the saved generators: exact mid-epoch and at an epoch boundary
+(:mod:`~mgpu_lab.training.loader_position`). Without it, ``load`` restores the RNG just
+before the model's next forward, after the loop made its iterator and skipped what was
+seen (``itertools.islice(loader, state.step * K, None)``): exact mid-epoch only, and data
+drawn from the global RNG between ``load`` and that forward is drawn before the restore.
+The RNG of a rank that did not exist when the checkpoint was written cannot be restored and
+keeps its seed (a warning).
 """
 from __future__ import annotations
 
 import os
-import random
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,44 +70,12 @@ from torch import nn
 
 from ..parallel import wrappers
 from ..runtime.distributed import rank_and_world_size
-from . import sharded_checkpoint, state_dicts
+from . import generations, sharded_checkpoint, state_dicts
 from .checkpoint_file import (  # noqa: F401  (public here too: mgpu_lab.training.train_state.save_checkpoint)
-    UnsafeCheckpointError, _barrier, load_checkpoint, save_checkpoint,
+    CheckpointError, UnsafeCheckpointError, _barrier, _save_file, checkpoint_error, load_checkpoint, save_checkpoint,
 )
+from .loader_position import LoaderPosition, rng_state, set_rng_state  # noqa: F401  (rng_state: public here)
 
-# --------------------------------------------------------------------------- RNG states
-
-def rng_state() -> Dict[str, Any]:
-    """This process's random-number state (torch CPU, this rank's CUDA device, ``random``,
-    numpy when installed), as tensors and plain numbers so that ``weights_only`` loads it."""
-    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "cuda": None}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    return state
-
-
-def set_rng_state(state: Dict[str, Any]) -> None:
-    """Restore what ``rng_state()`` returned."""
-    torch.set_rng_state(state["torch"].cpu())
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"].cpu())
-    if state.get("numpy") is not None:
-        import numpy as np
-        n = state["numpy"]
-        np.random.set_state((n["name"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],
-                             n["cached_gaussian"]))
-
-
-# --------------------------------------------------------------------------- resumable training
 
 class TrainState:
     """Everything a training run needs to continue bit for bit, saved and restored together.
@@ -104,36 +84,70 @@ class TrainState:
     or hold DTensors (``parallelize_module``, a 2-D mesh), or be one pipeline stage
     whose module keeps the full model's names. ``optimizer``, ``scaler``
     (``torch.amp.GradScaler`` or ``mgpu_lab.LossScaler``) and ``scheduler`` are
-    anything with ``state_dict``/``load_state_dict``. ``step`` (optimizer steps done)
-    and ``epoch`` (the sampler's epoch: pass it to ``set_epoch``) are yours to
-    advance; ``extra`` holds other plain values. ``sharded=True`` saves a
-    ``torch.distributed.checkpoint`` folder (each rank its pieces) instead of one file
-    of full weights. ``state_dict()``, ``save()`` and ``load()`` are collectives:
-    every rank calls them.
+    anything with ``state_dict``/``load_state_dict``. ``step`` (optimizer steps done) is
+    yours to advance; ``epoch`` is the epoch to run next or in progress (pass it to
+    ``set_epoch``): with ``dataloader=`` it advances when the loader's epoch ends, else it is
+    yours. ``extra`` holds other plain values. ``dataloader``: a ``DataLoader`` (or torchdata's
+    ``StatefulDataLoader``) whose position and generators are saved, so that a resumed run
+    continues mid-epoch or at an epoch boundary bit for bit (:mod:`~mgpu_lab.training.loader_position`).
+    ``path``: where ``save()``/``load()`` go (its folder's writability is checked now); ``keep``:
+    how many generations to keep (an unreadable newest falls back to the one before).
+    ``sharded=True`` saves a ``torch.distributed.checkpoint`` folder (each rank its pieces)
+    instead of one file of full weights. ``state_dict()``, ``save()`` and ``load()`` are
+    collectives: every rank calls them.
     """
 
     def __init__(self, model: nn.Module, optimizer=None, scaler=None, step: int = 0, epoch: int = 0,
-                 scheduler=None, *, sharded: bool = False):
+                 scheduler=None, *, sharded: bool = False, dataloader=None, path: Optional[str] = None,
+                 keep: int = 1):
         wrappers.wrapper_kind(model)  # an unknown wrapper: a TypeError now, not a wrong checkpoint later
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep={keep!r}: the number of generations to keep, 1 or more")
         self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
-        self.step, self.epoch, self.sharded = step, epoch, bool(sharded)
+        self.step, self.epoch, self.sharded, self.keep = step, epoch, bool(sharded), keep
+        self.path = None if path is None else os.fspath(path)
         self.extra: Dict[str, Any] = {}
         self._loaded_rng: Optional[List[Dict[str, Any]]] = None
-        self._rng_hook = None  # restores the loaded RNG at the model's next forward
+        self._rng_hook = None  # restores the loaded RNG at the model's next forward (no dataloader given)
+        self._position = None if dataloader is None else LoaderPosition(dataloader, self)
+        if self.path is not None:
+            self._check_writable()
+
+    def _check_writable(self) -> None:
+        folder = self.path if self.sharded else os.path.dirname(os.path.abspath(self.path))
+        if not self.sharded and rank_and_world_size()[0] != 0:
+            return  # one file: rank 0 writes it
+        try:
+            generations.check_writable(folder)
+        except OSError as exc:
+            raise checkpoint_error("TrainState(path=...): the folder of", self.path, exc) from exc
+
+    def _where(self, path: Optional[str]) -> str:
+        if path is None and self.path is None:
+            raise ValueError("give a path: save(path)/load(path), or TrainState(..., path=...)")
+        return os.fspath(self.path if path is None else path)
 
     # ------------------------------------------------------------------ what is saved
     def _plain_state(self) -> Dict[str, Any]:
         """Everything but the tensors of model and optimizer, complete on rank 0."""
         if self._rng_hook is not None:  # saved before any forward since load: the loaded RNG
             self.restore_rng()
+        pending = self._position is not None and self._position.resume is not None
+        mine: Tuple[Any, Any] = (self._position.resume["now"]["global"] if pending else rng_state(),
+                                 None if self._position is None else self._position.state())
         rank, world = rank_and_world_size()
-        rngs: List[Any] = [None] * world
-        if world > 1:  # every rank's RNG, gathered to the rank that writes
-            dist.gather_object(rng_state(), rngs if rank == 0 else None, dst=0)
+        parts: List[Any] = [None] * world
+        if world > 1:  # every rank's RNG and data position, gathered to the rank that writes
+            dist.gather_object(mine, parts if rank == 0 else None, dst=0)
         else:
-            rngs = [rng_state()]
+            parts = [mine]
         state = {"format": FORMAT, "layout": state_dicts.describe_layout(self.model), "step": self.step,
-                 "epoch": self.epoch, "world_size": world, "rng": rngs, "extra": dict(self.extra)}
+                 "epoch": self.epoch, "world_size": world, "rng": [p and p[0] for p in parts],
+                 "extra": dict(self.extra)}
+        if self._position is not None:
+            state["data"] = [p and p[1] for p in parts]
+            if rank == 0 and all(p[1]["epoch_done"] for p in parts):  # after the epoch's last batch (in the
+                state["epoch"] = parts[0][1]["next_epoch"]                # loop or after it): resume at the next
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
@@ -149,124 +163,154 @@ class TrainState:
                 self.model, self.optimizer, state_dicts.optimizer_state(self.model, self.optimizer, full=True))
         return state
 
-    def save(self, path: str) -> None:
-        """Every rank calls it. One file: rank 0 writes ``path`` atomically. ``sharded=True``: a
-        folder ``path`` in which each rank writes its pieces (a new generation, switched to atomically)."""
+    def save(self, path: Optional[str] = None) -> None:
+        """Every rank calls it. One file: rank 0 writes ``path`` atomically, keeping ``keep`` generations
+        (``path.1``, ...). ``sharded=True``: a folder ``path`` in which each rank writes its pieces (a new
+        generation, switched to atomically). A failure raises :class:`CheckpointError`."""
+        path = self._where(path)
         if not self.sharded:
-            save_checkpoint(path, **self.state_dict())
+            state = self.state_dict()
+            if rank_and_world_size()[0] == 0:
+                generations.clear_stale(path)
+            _save_file(path, state, f"TrainState.save({path!r})", generation="new",
+                       before_replace=lambda: generations.rotate(path, self.keep))
             return
         meta = self._plain_state()
-        tensors = {f"model/{k}": v for k, v in state_dicts.model_state(self.model, full=False).items()}
-        if self.optimizer is not None:
-            opt = state_dicts.optimizer_state(self.model, self.optimizer, full=False)
-            plain: Dict[str, Dict[str, Any]] = {}
-            for name, st in (opt or {"state": {}})["state"].items():
-                for key, value in st.items():
-                    if torch.is_tensor(value):
-                        tensors[f"optim/{name}/{key}"] = value
-                    else:
-                        plain.setdefault(name, {})[key] = value
-            merged = state_dicts.merge_optimizer_on_rank0(
-                self.model, self.optimizer, {"state": plain, "param_groups": opt["param_groups"]} if opt else None)
-            if merged is not None:
-                meta["optimizer"] = merged
-        sharded_checkpoint.save(path, tensors, meta, self.step, _barrier)
+        tensors = sharded_checkpoint.split_state(self.model, self.optimizer, meta)
+        try:
+            sharded_checkpoint.save(path, tensors, meta, self.step, _barrier, self.keep)
+        except CheckpointError:
+            raise
+        except (Exception, _dcp_failure()) as exc:
+            raise checkpoint_error("saving", path, exc, "new", self.step) from exc
 
     # ------------------------------------------------------------------ loading
-    def load(self, path: str, map_location="cpu", restore_rng: bool = True) -> bool:
+    def load(self, path: Optional[str] = None, map_location="cpu", restore_rng: bool = True,
+             strict: bool = True) -> bool:
         """Restore from ``path`` if it exists (True), else leave everything as is (False).
 
-        ``path`` is a one-file checkpoint or a sharded folder, written under any layout. The
-        RNG is restored at the model's next forward (see the module docstring), or never
-        with ``restore_rng=False`` (call ``restore_rng()`` yourself)."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            folder = sharded_checkpoint.latest(path)
-            if folder is None:
-                if os.listdir(path):
-                    raise FileNotFoundError(f"{path!r} is a folder without a {sharded_checkpoint.LATEST!r} file: not "
-                                            "a TrainState(sharded=True) checkpoint, or its first save did not finish")
-                return False
-            state = load_checkpoint(os.path.join(folder, "meta.pt"), map_location=map_location)
-            self._load_tensors_sharded(folder, state)
-        elif os.path.exists(path):
-            state = load_checkpoint(path, map_location=map_location)
-            self._load_tensors_full(path, state)
+        ``path`` is a one-file checkpoint or a sharded folder, written under any layout. Each
+        generation is read and checked newest first; an unreadable one is passed over with a
+        warning naming it. ``strict`` (torch's ``load_state_dict`` default): tensors the model
+        lacks are refused. The RNG is restored at the next ``iter(dataloader)`` (``dataloader=``
+        given) or the model's next forward (see the module docstring), or never with
+        ``restore_rng=False`` (call ``restore_rng()`` yourself). A failure raises :class:`CheckpointError`."""
+        path = self._where(path)
+        sharded = os.path.isdir(path)
+        if sharded:
+            candidates = [(f, "newest" if i == 0 else f"{i} before the newest")
+                          for i, f in enumerate(sharded_checkpoint.generations(path))]
+            if not candidates and os.listdir(path) and not any(n.startswith(".step-") for n in os.listdir(path)):
+                raise CheckpointError(f"{path!r} is a folder without checkpoint generations: not a "
+                                      "TrainState(sharded=True) checkpoint; give another path", path=path)
         else:
+            candidates = generations.existing(path)
+        if not candidates:
             return False
+        failures: List[Tuple[str, str, CheckpointError]] = []
+        for where, generation in candidates:
+            try:
+                state, tensors = self._read(where, sharded, map_location)
+                break
+            except UnsafeCheckpointError:
+                raise
+            except CheckpointError as exc:
+                exc.generation = generation
+                failures.append((where, generation, exc))
+            except (KeyError, ValueError) as exc:  # readable, but not this model's
+                raise _misfit(where, generation, None, exc) from exc
+        else:
+            lines = "; ".join(f"{w} ({g} generation, step unknown): {e.cause}" for w, g, e in failures)
+            raise CheckpointError(f"loading checkpoint {path!r} failed: {len(failures)} generation(s), none readable: "
+                                  f"{lines}. What to do: restore a copy, or start afresh (delete them, or give "
+                                  "another path); TrainState(..., keep=N) keeps N generations to fall back on",
+                                  path=path, generation=failures[0][1], cause=failures[0][2].cause) from failures[0][2]
+        if failures:
+            warnings.warn(f"TrainState.load: {failures[0][0]} ({failures[0][1]} generation) is unreadable: "
+                          f"{failures[0][2].cause}; loaded {where} ({generation}, step {state.get('step')}) instead",
+                          stacklevel=2)
+        elif not sharded and candidates[0][0] != path:
+            warnings.warn(f"TrainState.load: {path} is missing (a save was cut short between two renames); "
+                          f"loaded {where} ({generation}, step {state.get('step')})", stacklevel=2)
+        try:
+            self._apply(state, tensors, where, sharded, strict)
+        except CheckpointError:
+            raise
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise _misfit(where, generation, state.get("step"), exc) from exc
+        self._restore_counters(state, restore_rng)
+        return True
+
+    def _read(self, where: str, sharded: bool, map_location) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
+        """Read and check one generation: ``(state, tensors read by this rank)``; CheckpointError if unreadable."""
+        if not sharded:
+            state = load_checkpoint(where, map_location=map_location)
+            if not isinstance(state, dict) or "model" not in state or "step" not in state:
+                held = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
+                raise CheckpointError(f"loading checkpoint {where!r} failed: not a TrainState checkpoint (it holds "
+                                      f"{held}, no model and step). What to do: save_checkpoint(path, model=...) "
+                                      "files load with load_checkpoint", path=where, cause="not a TrainState checkpoint")
+            return state, {}
+        state = load_checkpoint(os.path.join(where, "meta.pt"), map_location=map_location)
+        try:
+            return state, sharded_checkpoint.read_tensors(self.model, self.optimizer, where, _holds(state))
+        except (KeyError, ValueError):
+            raise
+        except (Exception, _dcp_failure()) as exc:  # DCP's CheckpointException is a BaseException
+            raise checkpoint_error("loading", where, exc, step=state.get("step")) from exc
+
+    def _apply(self, state: Dict[str, Any], tensors: Dict[str, torch.Tensor], where: str, sharded: bool,
+               strict: bool) -> None:
+        what = f"{where} ({_holds(state)})"
+        model_state = ({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+                       if sharded else state["model"])
+        state_dicts.load_model_state(self.model, model_state, what, strict)
+        if self.optimizer is not None:
+            if "optimizer" not in state:
+                raise KeyError(f"{what} has no optimizer state: build TrainState without an optimizer to load it")
+            if sharded:
+                saved = state["optimizer"]
+                opt = {n: dict(v) for n, v in saved["state"].items()}
+                for key, value in tensors.items():
+                    if key.startswith("optim/"):
+                        n, k = key[len("optim/"):].rsplit("/", 1)
+                        opt.setdefault(n, {})[k] = value
+                state_dicts.load_optimizer_state(self.model, self.optimizer,
+                                                 {"state": opt, "param_groups": saved["param_groups"]}, what)
+            elif state.get("format", 1) >= 2:
+                state_dicts.load_optimizer_state(self.model, self.optimizer, state["optimizer"], what)
+            else:
+                state_dicts.load_legacy_optimizer(self.model, self.optimizer, state, what)
         for name, part in (("scheduler", self.scheduler), ("scaler", self.scaler)):
             if part is not None and name not in state:
-                raise KeyError(f"{path} has no {name} state ({_holds(state)}), but this TrainState has a {name}: "
+                raise KeyError(f"{what} has no {name} state, but this TrainState has a {name}: "
                                f"resume without it, or from a checkpoint saved with one")
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+    def _restore_counters(self, state: Dict[str, Any], restore_rng: bool) -> None:
         self.step, self.epoch = state["step"], state["epoch"]
         self.extra = dict(state.get("extra", {}))
         self._loaded_rng = state["rng"]
-        world = rank_and_world_size()[1]
-        if len(self._loaded_rng) != world:
-            warnings.warn(f"the checkpoint was written by {len(self._loaded_rng)} rank(s), this run has {world}: "
-                          "model, optimizer and counters are restored, but random draws will not continue "
-                          "bit for bit", stacklevel=2)
+        rank, world = rank_and_world_size()
         if self._rng_hook is not None:
             self._rng_hook.remove()
             self._rng_hook = None
+        again = " and the data loader starts the saved epoch again" if self._position is not None else ""
+        if len(self._loaded_rng) != world:
+            warnings.warn(f"the checkpoint was written by {len(self._loaded_rng)} rank(s), this run has {world}: "
+                          "model, optimizer and counters are restored, but random draws will not continue "
+                          "bit for bit" + again, stacklevel=3)
+        elif self._position is not None and state.get("data") is not None and restore_rng:
+            if self._position.load(state["data"][rank], self._loaded_rng[rank]):
+                return
+            warnings.warn(f"rank {rank}: the loader's epoch has another number of batches than when the checkpoint "
+                          "was written (another batch plan or data-parallel size): model, optimizer, counters and "
+                          "the RNG are restored" + again, stacklevel=3)
         if restore_rng:
             self._rng_hook = self.model.register_forward_pre_hook(lambda module, args: self.restore_rng())
-        return True
-
-    def _load_tensors_full(self, path: str, state: Dict[str, Any]) -> None:
-        what = f"{path} ({_holds(state)})"
-        if "model" not in state:
-            raise KeyError(f"{what} has no model: it is not a TrainState checkpoint (save_checkpoint(path, "
-                           "model=...) writes one)")
-        state_dicts.load_model_state(self.model, state["model"], what)
-        if self.optimizer is None:
-            return
-        if "optimizer" not in state:
-            raise KeyError(f"{what} has no optimizer state: build TrainState without an optimizer to load it")
-        if state.get("format", 1) >= 2:
-            state_dicts.load_optimizer_state(self.model, self.optimizer, state["optimizer"], what)
-        else:
-            _load_legacy_optimizer(self.model, self.optimizer, state, what)
-
-    def _load_tensors_sharded(self, folder: str, meta: Dict[str, Any]) -> None:
-        what = f"{folder} ({_holds(meta)})"
-        stored = sharded_checkpoint.stored(folder)
-        model_targets = wrappers.unwrap(self.model).state_dict()  # this rank's pieces (mgpu_lab FSDP: whole tensors)
-        missing = [k for k in model_targets if f"model/{k}" not in stored]
-        if missing:
-            raise KeyError(f"{what} has no {missing[:5]}: it holds "
-                           f"{sum(k.startswith('model/') for k in stored)} model tensors; build the same model")
-        targets = {f"model/{k}": torch.empty_like(t) for k, t in model_targets.items()}
-        opt_keys = sharded_checkpoint.optimizer_keys(stored)
-        if self.optimizer is not None:
-            names, groups = state_dicts.parameter_names(self.model), state_dicts._fsdp_groups(self.model)
-            for p in (p for g in self.optimizer.param_groups for p in g["params"]):
-                for n in names.get(id(p), []):
-                    for k in opt_keys.get(n, []):
-                        md = stored[f"optim/{n}/{k}"]
-                        size, dtype = tuple(md.size), md.properties.dtype
-                        if id(p) not in groups and len(size) > 0 and size == tuple(p.shape):
-                            targets[f"optim/{n}/{k}"] = torch.empty_like(p, dtype=dtype)
-                        else:
-                            targets[f"optim/{n}/{k}"] = torch.empty(size, dtype=dtype, device=p.device)
-        sharded_checkpoint.load(folder, targets)
-        state_dicts.load_model_state(self.model, {k[len("model/"):]: v for k, v in targets.items()
-                                                  if k.startswith("model/")}, what)
-        if self.optimizer is not None:
-            saved = meta.get("optimizer")
-            if saved is None:
-                raise KeyError(f"{what} has no optimizer state: build TrainState without an optimizer to load it")
-            state = {n: dict(v) for n, v in saved["state"].items()}
-            for key, value in targets.items():
-                if key.startswith("optim/"):
-                    n, k = key[len("optim/"):].rsplit("/", 1)
-                    state.setdefault(n, {})[k] = value
-            state_dicts.load_optimizer_state(self.model, self.optimizer,
-                                             {"state": state, "param_groups": saved["param_groups"]}, what)
 
     def restore_rng(self) -> None:
         """Put back this rank's RNG state from the last ``load`` now (see the module docstring)."""
@@ -283,28 +327,18 @@ class TrainState:
 FORMAT = 2  # 1: optimizer state as the optimizer's own state_dict (FSDP: per rank); 2: per parameter name
 
 
+def _dcp_failure() -> type:
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException
+
+
+def _misfit(where: str, generation: str, step, exc: Exception) -> CheckpointError:
+    at = f"generation {generation}" + (f", step {step}" if step is not None else "")
+    return CheckpointError(f"loading checkpoint {where!r} ({at}) failed: {exc.args[0] if exc.args else exc}",
+                           path=where, generation=generation, step=step, cause="does not fit this TrainState")
+
+
 def _holds(state: Dict[str, Any]) -> str:
     """What a checkpoint holds, in words, for error messages."""
     layout = state.get("layout") or f"{state.get('world_size', '?')} rank(s), layout not recorded"
     return f"step {state.get('step', '?')}, saved under {layout}, format {state.get('format', 1)}"
-
-
-def _load_legacy_optimizer(model: nn.Module, optimizer, state: Dict[str, Any], what: str) -> None:
-    """Format 1 (before per-parameter state): loads only under the layout that wrote it."""
-    saved = state["optimizer"]
-    if isinstance(saved, dict) and "per_rank" in saved:
-        parts = saved["per_rank"]
-        kind = wrappers.wrapper_kind(model)
-        n = wrappers.world_size(model) if kind != "local" else 1
-        if kind != "fsdp" or len(parts) != n:
-            raise ValueError(f"{what}: its optimizer state is mgpu_lab FSDP's per-rank state of {len(parts)} ranks "
-                             f"(an older format); this run is {kind} on {n} rank(s). Resume once under FSDP on "
-                             f"{len(parts)} ranks and save again: the new format is per parameter and loads anywhere")
-        optimizer.load_state_dict(parts[wrappers.unwrap(model).rank])
-        return
-    try:
-        optimizer.load_state_dict(saved)
-    except (KeyError, ValueError, IndexError, RuntimeError) as exc:
-        raise ValueError(f"{what}: its optimizer state is the optimizer's own state dict (an older format, by "
-                         f"parameter index) and does not fit this optimizer ({type(exc).__name__}: {exc}). Resume "
-                         "once under the layout that wrote it and save again: the new format loads anywhere") from exc
