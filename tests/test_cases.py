@@ -110,6 +110,13 @@ def test_the_check_names_what_differs_and_veils_hidden_cases():
     assert "hidden check's result" in cases.check_cases({"h": "[num] * 3"}, {"h": [1]}, hidden=["h"])
     assert not re.search(r"\d", cases.check_cases({"h": "[num] * 3"}, {"h": [1]}, hidden=["h"]))
     assert cases.check_cases(expects, {"runs": {2: [torch.ones(5)] * 2, 4: [1, "b"]}}, free=["runs[2][*]"]) is None
+    # a hidden design's "no plan fits" (None) against a plan, either way: the judge part's own
+    # words decide, not "None where the check expects a list" (which hidden cases have no plan)
+    design = {"h": cases.render(cases.signature([None, [1, 2]]))}
+    for answer in ([[3, 4], None], [None, None], [[0], [1, 2]]):
+        assert cases.check_cases(design, {"h": answer}, hidden=["h"]) is None
+        assert cases.check_cases(design, {"h": answer}, hidden=[]) is not None    # a visible one: said
+    assert cases.check_cases(design, {"h": [None]}, hidden=["h"]) is not None     # the cases still counted
 
 
 def test_the_judge_runs_nothing_of_an_answer_without_its_cases_and_drops_names_it_did_not_ask_for():
