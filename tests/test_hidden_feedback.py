@@ -6,7 +6,7 @@ import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
 from mgpu_lab.cli import main as cli
-from mgpu_lab.course.grading.hidden import WITHHELD, failure, hidden_lines, shows_hidden
+from mgpu_lab.course.grading.hidden import WITHHELD, failure, hidden_lines, shows_hidden, visible_line
 from mgpu_lab.course.grading.scoring import verdict_text
 from mgpu_lab.course.notebook.notebooks import make_lab
 from conftest import check_cell as check, exercise_cell as exercise
@@ -77,7 +77,7 @@ def test_feedback_on_failed_hidden_checks_shows_no_case_value_nor_hidden_line(tm
                      "hidden check 1 of this cell failed: a product of positive numbers is positive"),
         "neg_test": (0, "TypeError", "raised in a hidden part of the check's probe")}
     assert got["cat"] == {"mul_test": (1, None, ""), "neg_test": (1, None, "")}
-    assert got["dan"]["mul_test"] == (0, "AssertionError", f"check line 9 failed ({WITHHELD})")
+    assert got["dan"]["mul_test"] == (0, "AssertionError", f"check line 5 failed ({WITHHELD})")
     feedback = "".join(p.read_text() for p in out.rglob("*.md"))
     messages = " ".join(m for student in got.values() for _, _, m in student.values())
     assert "hidden check 2 of this cell failed" in feedback
@@ -87,7 +87,10 @@ def test_feedback_on_failed_hidden_checks_shows_no_case_value_nor_hidden_line(tm
         assert secret not in feedback, secret
     every = feedback + messages
     for line in range(2, 14):        # no line of either cell is named, but dan's visible one
-        assert f"line {line}" not in every.replace("check line 9 failed", ""), line
+        assert f"line {line}" not in every.replace("check line 5 failed", ""), line
+    # the line as the learner's copy numbers it (the lab has no hidden regions): its assert
+    lab_cell = make_lab(lab).cells[2].source.splitlines()
+    assert visible_line(MUL_TEST, 9) == 5 and lab_cell[4].lstrip().startswith("assert")
 
 
 def test_a_visible_check_keeps_its_line_and_message():

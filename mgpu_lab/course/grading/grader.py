@@ -44,7 +44,7 @@ from ..notebook.cells import (exercise_of, given_statements, graded_cells, lab_i
                               nbgrader_meta, observed_of, parse)
 from ..notebook.exercises import lab_version, submitted_version, syntax_error, titles, untouched
 from .guard import called_in, forbidden_of, notebook_violations
-from .hidden import WITHHELD, hidden_lines, shows_hidden
+from .hidden import WITHHELD, hidden_lines, shows_hidden, visible_line
 from .kernel import OOM_MESSAGE
 from .sandbox import Limits, Sandbox
 from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
@@ -283,11 +283,11 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
     verdict = run.verdicts.get(index) if run is not None else None
     if verdict is not None:
         found.judged = True
-        found.verdict, found.verdict_message = verdict_text(verdict.error, verdict.message,
-                                                            verdict.line)
+        line = visible_line(cell.source, verdict.line)     # as the learner's copy numbers it
+        found.verdict, found.verdict_message = verdict_text(verdict.error, verdict.message, line)
         if verdict.error == "AssertionError" and verdict.line and shows_hidden(cell.source,
                                                                                verdict.line):
-            found.verdict_message = f"check line {verdict.line} failed ({WITHHELD})"
+            found.verdict_message = f"check line {line} failed ({WITHHELD})"
         killed = result is not None and not result.error and result.message == OOM_MESSAGE
         if found.verdict and killed:   # a process the probe started (a rank, a script) was
             found.error, found.message = kernel_error(     # killed for memory: say so

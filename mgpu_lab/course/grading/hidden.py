@@ -42,6 +42,15 @@ def hidden_lines(source: str) -> Set[int]:
     return lines
 
 
+def visible_line(source: str, line: Optional[int]) -> Optional[int]:
+    """Line ``line`` of the instructor's cell as the learner's copy numbers it (hidden
+    regions and their markers are not in the lab); None for None or a hidden line."""
+    if not line:
+        return line
+    hidden = hidden_lines(source)
+    return None if line in hidden else line - sum(1 for h in hidden if h < line)
+
+
 def hidden_asserts(source: str) -> List[ast.Assert]:
     """The ``assert`` statements that start on hidden lines, in the order of the source."""
     tree, hidden = parse(source), hidden_lines(source)

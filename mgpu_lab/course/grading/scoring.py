@@ -99,6 +99,12 @@ class Evidence:
                                            # ("NotAttempted" | "SyntaxError", message)
 
 
+# A check's message reaches the report, the feedback and the JSON whole up to this many
+# characters (an instructor's sentence with the values it formats); only what a learner's
+# answer could make longer (its values, printed) is ever cut, and then said with "...".
+MESSAGE_LIMIT = 1000
+
+
 def brief(message: str, limit: int = 200) -> str:
     """One line for a report: the first line, and the last when there are more.
 
@@ -128,7 +134,7 @@ def score(grade_id: str, points: float, evidence: Evidence, observed: str = "") 
     else:
         error, message = "NotJudged", "the probe sent nothing"
     return ExerciseScore(grade_id, 0.0 if error else float(points), float(points), error,
-                         brief(message or ""), observed)
+                         brief(message or "", MESSAGE_LIMIT), observed)
 
 
 # --- what may be said about a failure ----------------------------------------------
