@@ -78,15 +78,27 @@ def test_the_vacuity_replay_fails_every_graded_cell(lab, gid, cell):
     full = {name: cases.example(cases.parse(text)) for name, text in course_meta(cell)["expects"].items()}
     c = cases.cases_of(cell)
     assert cases.check_cases(c["expects"], full, c["free"], c["hidden"]) is None
-    whole = set(c["free"]) & set(full)
+    for what, rejected, error in replay(gid, cell):
+        assert rejected, f"{lab} {gid}: {what} results reached the judge part ({error})"
+
+
+def replay(gid, cell):
+    """``[(what, rejected, the verdict's error)]``: the judge's verdicts on the solution's
+    results emptied, and (where that changes them) cut to their first case. Rejected: the
+    case check's verdict, or for a result the cell leaves free as a whole (a design answer)
+    a failed assertion of the judge part (its first case alone may then pass). Also counted
+    in the mutation run's kill rate (tests/test_mutants.py)."""
+    full = {name: cases.example(cases.parse(text)) for name, text in course_meta(cell)["expects"].items()}
+    whole = set(cases.cases_of(cell)["free"]) & set(full)
     reply = _verdict(cell, gid, {n: cases.emptied(v) for n, v in full.items()})
-    assert not reply.ok and (reply.error == CASES or whole and reply.error == "AssertionError"), \
-        f"{lab} {gid}: emptied results reached the judge part ({reply.error})"
+    out = [("emptied", not reply.ok and (reply.error == CASES or bool(whole) and reply.error == "AssertionError"),
+            reply.error)]
     cut = {n: cases.truncated(v) for n, v in full.items()}
     if [cases.signature(v) for v in cut.values()] != [cases.signature(v) for v in full.values()]:
         reply = _verdict(cell, gid, cut)
-        assert not reply.ok and (reply.error == CASES or whole == set(full)), \
-            f"{lab} {gid}: its first case alone reached the judge part ({reply.error})"
+        out.append(("cut to its first case", not reply.ok and (reply.error == CASES or whole == set(full)),
+                    reply.error))
+    return out
 
 
 def test_the_check_names_what_differs_and_veils_hidden_cases():

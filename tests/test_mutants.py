@@ -10,8 +10,19 @@ the whole suite against 864 s), sandboxed where bubblewrap works.
 A mutant is *killed* when its exercise scores 0 for a reason of its kind: a tampering
 attempt is reported as tampering; a wrong answer, a copy or a call of the reference by a
 failed check (a reference reached through ``getattr`` of a built name may be reported as
-tampering), never by a crash of the check itself. The kill rate must be 100 %; the test
-prints it per lab.
+tampering), never by a crash of the check itself; a vacuity mutant by the case check, a
+failed assertion or its own code raising, never by the check raising. The kill rate must be
+100 %; the test prints it per lab, and counts in it the judge-level replay of
+tests/test_cases.py (every graded cell's results emptied, and cut to their first case).
+
+Besides the hand-written mutants, tests/mutants/generated.py makes for every exercise a
+vacuity mutant (the solution with what its functions return emptied; where they return only
+numbers or nothing, it says why and the replay stands for it), its first copy with a thread
+that empties the probe's results once its cell has ended, and its first reference reached
+under another name from a thread-pool worker. The last two take the place of the mutant
+they are made from in the rounds (the copy's and the reference's own verdicts stand); the
+vacuity mutants fill the slots where an exercise keeps its solution, so the rounds grow
+little (121 notebooks instead of 106).
 
 **No kill rests on the "must not call X" guard.** The run grades against a copy of the
 solutions without their ``reimplements`` metadata, so neither the static pass nor the
@@ -52,6 +63,7 @@ from mgpu_lab.course.grading.guard import forbidden_of
 from mgpu_lab.course.notebook.notebooks import make_lab
 from mgpu_lab.course.classroom.export import GRADESCOPE_MIB
 from mgpu_lab.course.grading.sandbox import probe
+from mgpu_lab.course.grading.scoring import RAISED_HIDDEN
 from conftest import ROOT, SUMMARY
 from mutants import KINDS, all_mutants
 
@@ -97,14 +109,20 @@ def rounds(lab):
     rounds: every exercise's tampering attempts side by side, with nothing else (a kernel
     one exercise tampered with can let another's wrong answer through a check that
     observes the kernel: docs/INSTRUCTORS.md's honour-level points). Then the other rounds: each
-    exercise's other mutants, then its untouched cell, one per round."""
+    exercise's other mutants (a generated one in place of the mutant it is made from), then
+    its untouched cell, then its generated vacuity mutant, one per round."""
     ex = list(exercises(lab))
 
     def mine(e, tamper):
-        return [m for m in MUTANTS if m.lab == lab and m.exercise == e and (m.kind == "tamper") == tamper]
+        ms = [m for m in MUTANTS if m.lab == lab and m.exercise == e and (m.kind == "tamper") == tamper]
+        instead = {m.replaces: m for m in ms if m.replaces}
+        return [instead.get(m.name, m) for m in ms if not m.generated]
+
+    def added(e):
+        return [m for m in MUTANTS if m.lab == lab and m.exercise == e and m.generated and not m.replaces]
 
     plan = []
-    for group in ({e: mine(e, True) for e in ex}, {e: mine(e, False) + [UNTOUCHED] for e in ex}):
+    for group in ({e: mine(e, True) for e in ex}, {e: mine(e, False) + [UNTOUCHED] + added(e) for e in ex}):
         depth = max((len(v) for v in group.values()), default=0)
         plan += [{e: group[e][r] if r < len(group[e]) else None for e in ex} for r in range(depth)]
     return plan
@@ -129,6 +147,27 @@ def test_every_exercise_has_three_mutants_of_the_required_kinds():
     stray = [f"{m.lab} {m.exercise} {m.name}" for m in MUTANTS if (m.lab, m.exercise) not in known]
     assert not stray, f"mutants of exercises that do not exist: {stray}"
     assert all(m.kind in KINDS and m.mistake for m in MUTANTS), "every mutant names its mistake"
+
+
+def test_every_exercise_has_its_generated_attacks():
+    """tests/mutants/generated.py: a vacuity mutant (or the reason why its results cannot be
+    hollowed), a rewrite thread on its first copy, and its first reference renamed in a
+    thread-pool worker, each naming its mistake, each in the rounds."""
+    from mutants.generated import NOT_HOLLOWED
+    missing = []
+    for lab in LABS:
+        for ex in exercises(lab):
+            mine = [m for m in MUTANTS if m.lab == lab and m.exercise == ex]
+            gen = {m.kind for m in mine if m.generated}
+            need = {"copy"} | ({"reference"} if any(m.kind == "reference" for m in mine) else set())
+            if (lab, ex) not in NOT_HOLLOWED:
+                need.add("vacuity")
+            if not need <= gen:
+                missing.append(f"{lab} {ex}: {sorted(need - gen)}")
+            placed = {id(m) for row in rounds(lab) for m in row.values()}
+            missing += [f"{lab} {ex}: {m.name} is in no round" for m in mine if m.generated and id(m) not in placed]
+    assert not missing, "\n".join(missing)
+    assert all(lab in LABS and ex in exercises(lab) and why for (lab, ex), why in NOT_HOLLOWED.items())
 
 
 def _mine(item) -> bool:
@@ -371,6 +410,14 @@ def mutation_run(request):
     return _RUN["run"].result(MUTATION_RUN_TIMEOUT)
 
 
+def _check_crashed(e) -> bool:
+    """Whether the check itself raised (not an assertion, not the case check, not the
+    learner's code): no kill for a vacuity mutant, whose hollow results the case check or
+    the learner's own code must stop."""
+    return e["error"] not in ("WrongCases", "AssertionError") and (
+        (e["message"] or "").startswith("raised by the check") or e["message"] == RAISED_HIDDEN)
+
+
 def _verdicts(plan, graded, lab):
     """``(kills, survivors, problems)`` of one lab's rounds."""
     kills, survivors, problems = [], [], []
@@ -397,7 +444,8 @@ def _verdicts(plan, graded, lab):
                 ok = {"tamper": {"Tampering"}}
                 killed = all(e["score"] == 0 and e["error"] and e["error"] not in NOT_A_KILL
                              and e["error"] != "ForbiddenCall"
-                             and e["error"] in ok.get(m.kind, {e["error"]}) for e in got)
+                             and e["error"] in ok.get(m.kind, {e["error"]})
+                             and not (m.kind == "vacuity" and _check_crashed(e)) for e in got)
                 why = "; ".join(f"{e['grade_id']} {e['score']}/{e['max_score']} {e['error']}: "
                                 f"{(e['message'] or '')[:120]}" for e in got)
                 (kills if killed else survivors).append(f"{ex} {m.kind} {m.name}: {why}")
@@ -454,8 +502,18 @@ def test_kill_rate_is_100_percent(mutation_run, record_property):
         total, killed = total + n, killed + len(kills)
         rows.append(f"  {lab:<28} {len(exercises(lab)):>2} exercises  {n:>3} mutants  "
                     f"{len(kills):>3} killed")
+    # The judge-level replay (tests/test_cases.py): every graded cell's results emptied, and
+    # cut to their first case, through the judge's verdict step (about 2 s).
+    from test_cases import CELLS, replay
+    verdicts = [(lab, gid, what, ok, error) for lab, gid, cell in CELLS for what, ok, error in replay(gid, cell)]
+    rejected = sum(ok for *_, ok, _ in verdicts)
+    generated = sum(1 for row in plan.values() for m in row[1].values() if getattr(m, "generated", False))
     # Printed at the end of the session (tests/conftest.py), also from an xdist worker.
     record_property(SUMMARY, "\n".join(
-        [f"mutation run: {len(plan)} notebooks graded in {seconds:.0f} s", *rows,
-         f"  kill rate: {killed}/{total} = {100.0 * killed / max(total, 1):.1f} %"]))
+        [f"mutation run: {len(plan)} notebooks graded in {seconds:.0f} s ({generated} generated mutants)", *rows,
+         f"  judge-level replay: {len(CELLS)} graded cells, {rejected}/{len(verdicts)} emptied or first-case-only "
+         f"answers rejected",
+         f"  kill rate: {killed + rejected}/{total + len(verdicts)} = "
+         f"{100.0 * (killed + rejected) / max(total + len(verdicts), 1):.1f} %"]))
     assert total and killed == total
+    assert rejected == len(verdicts), [v for v in verdicts if not v[3]]

@@ -18,7 +18,13 @@ is graded in its place; the docstring names the mistake. The kinds:
   than the exercise asks (the mutation run grades with the "must not call" guard off);
 - ``copy``: code visible in the student notebook, copied as the answer;
 - ``tamper``: an attempt on the kernel (``torch.equal = ...``, IPython hooks, a
-  redefined helper of the notebook).
+  redefined helper of the notebook);
+- ``vacuity``: generated only (``generated.py``): the solution with what its functions
+  return emptied.
+
+``generated.py`` also makes, from the solutions and these mutants, a rewrite thread on each
+exercise's first copy and each first reference renamed and run in a thread-pool worker:
+those take the place of the mutant they are made from in the rounds (``replaces``).
 
 ``tests/test_mutants.py`` grades every lab with its mutants in place and requires a
 kill rate of 100 %: each mutant scores 0 on its exercise, for the right reason.
@@ -30,7 +36,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Callable, List
 
-KINDS = ("wrong", "reference", "copy", "tamper")
+KINDS = ("wrong", "reference", "copy", "tamper", "vacuity")
 _REGISTRY: List["Mutant"] = []
 
 
@@ -42,6 +48,8 @@ class Mutant:
     name: str
     mistake: str
     make: Callable[[str], str]
+    replaces: str = ""     # generated: the hand-written mutant whose place it takes in the rounds
+    generated: bool = False
 
 
 def mutant(exercise: str, kind: str):
@@ -80,7 +88,9 @@ def prepend(solution: str, code: str) -> str:
 
 
 def all_mutants() -> List[Mutant]:
-    """Every mutant of every lab file in this package."""
+    """Every mutant of every lab file in this package, then the generated ones (``generated.py``)."""
     for info in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{info.name}")
-    return list(_REGISTRY)
+    from .generated import generated
+    hand = [m for m in _REGISTRY if not m.generated]
+    return hand + generated(hand)
