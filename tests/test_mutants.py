@@ -74,6 +74,10 @@ LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
 MUTATION_RUN_TIMEOUT = 1200
 WITH_SOLUTION = os.environ.get("MGPU_LAB_MUTANTS_SOLUTION") == "1"
 MEMORY_MIB = GRADESCOPE_MIB    # Gradescope's default container: grader, judge and kernel together
+# Each notebook of the mutation run in 2 GiB (each solution fits in 768 MiB with its grader,
+# above): a mutant that allocates without bound (a design searched at a real model's size) is
+# stopped there, not at the default 8 GiB, twice over on a CI machine.
+MUTATION_RUN_GIB = 2
 BOX = probe()
 NICE = 10
 NOT_A_KILL = {"JudgeError", "NotJudged", "NotRun", "GraderError", "Missing"}
@@ -237,7 +241,7 @@ class MutationRun:
             nbformat.write(filled(self.plan[name][0], sources), klass / f"{name}.ipynb")
         args = [sys.executable, "-m", "mgpu_lab", "grade", str(klass), "--solutions",
                 str(without_guard(self.folder / "solutions")), "--json", str(self.out),
-                "--jobs", "2", "--quiet"]
+                "--jobs", "2", "--quiet", "--memory", str(MUTATION_RUN_GIB)]
         if not BOX.available:
             args.append("--no-sandbox")
         # A daemon (its parent exits at once): the tests that check that they leave no

@@ -151,11 +151,14 @@ def _mutant_rewrite_after_the_probe(names, window):
     import time
     import __main__
     import torch
-    ns = vars(__main__)                 # the kernel's namespace
-    shell = ns["get_ipython"]()         # (a call of get_ipython by its name is flagged as tampering)
-    history = ns["_ih"]                 # one entry per cell run with history: not the graded cells
+    absent = object()
+
+    def read(name, default=None):       # the kernel's namespace, one entry at a time (holding
+        return vars(__main__).get(name, default)    # vars(__main__) is flagged as tampering)
+    shell = read("get_ipython")()       # (a call of get_ipython by its name is flagged as tampering)
+    history = read("_ih")               # one entry per cell run with history: not the graded cells
     start = len(history)
-    before = {name: ns.get(name) for name in names}
+    before = {name: read(name) for name in names}
 
     def empty(value):
         try:
@@ -174,10 +177,10 @@ def _mutant_rewrite_after_the_probe(names, window):
         running, bound = None, None
         while bound is not None or len(history) <= start + window:
             if bound is None:
-                if all(name in ns and ns[name] is not before[name] for name in names):
-                    running, bound = shell.last_execution_result, [ns[name] for name in names]
+                if all(read(name, absent) is not absent and read(name) is not before[name] for name in names):
+                    running, bound = shell.last_execution_result, [read(name) for name in names]
             elif shell.last_execution_result is not running:      # that cell has ended
-                now = [ns.get(name) for name in names] if len(history) <= start + window else []
+                now = [read(name) for name in names] if len(history) <= start + window else []
                 for value in {id(v): v for v in bound + now if v is not None}.values():
                     empty(value)
                 return
