@@ -20,6 +20,12 @@ is graded in its place; the docstring names the mistake. The kinds:
 - ``tamper``: an attempt on the kernel (``torch.equal = ...``, IPython hooks, a
   redefined helper of the notebook).
 
+A ``wrong`` mutant is also one of the course's *misconceptions* (:attr:`Mutant.misconception`,
+but issue 29's attacks on the grader): ``mgpu-lab labs expects --misconceptions`` stores the
+fingerprint of its results in the solution, and the feedback of an answer whose results
+match names it (``mgpu_lab/course/grading/misconceptions.py``) with its ``message=`` (default:
+the docstring) and ``section=`` (default: the lab's section above the exercise).
+
 ``tests/test_mutants.py`` grades every lab with its mutants in place and requires a
 kill rate of 100 %: each mutant scores 0 on its exercise, for the right reason.
 """
@@ -42,16 +48,25 @@ class Mutant:
     name: str
     mistake: str
     make: Callable[[str], str]
+    message: str = ""      # a misconception's feedback, in the lab's words (default: mistake)
+    section: str = ""      # the lab's section that explains it (default: the exercise's)
+
+    @property
+    def misconception(self) -> bool:
+        """A wrong answer the feedback names (``labs expects --misconceptions``): the
+        ``wrong`` ones, but the attacks on the grader (issue 29's)."""
+        return self.kind == "wrong" and not self.mistake.lower().startswith("issue 29 attack")
 
 
-def mutant(exercise: str, kind: str):
-    """Register the decorated function as a mutant of ``exercise`` (its module's LAB)."""
+def mutant(exercise: str, kind: str, message: str = "", section: str = ""):
+    """Register the decorated function as a mutant of ``exercise`` (its module's LAB);
+    ``message``, ``section``: how the feedback names it, where it is a misconception."""
     assert kind in KINDS, kind
 
     def register(fn):
         lab = importlib.import_module(fn.__module__).LAB
         _REGISTRY.append(Mutant(lab, exercise, kind, fn.__name__,
-                                (fn.__doc__ or "").strip(), fn))
+                                (fn.__doc__ or "").strip(), fn, message, section))
         return fn
     return register
 

@@ -1,0 +1,263 @@
+"""Known misconceptions: a failed answer told which classic mistake its results show.
+
+Every exercise has *wrong* mutants (``tests/mutants/labNN_*.py``): plausible answers with
+the topic's classic conceptual error, each named by its docstring. They are the course's
+misconceptions. A failed check names the one the learner's results match.
+
+**Why fingerprints, stored at authoring time.** The judge's cases are its own and
+deterministic (seeded inputs, :mod:`.cases`), so running each misconception "on the
+same cases" needs no code at grading: ``mgpu-lab labs expects --misconceptions``
+(:func:`~mgpu_lab.course.authoring.labs_command.write_misconceptions`) grades every
+wrong mutant of the lab through the real grader once, and stores in the solution's
+graded cell (``metadata.mgpu_lab.misconceptions``, stripped from the student labs as
+``expects`` is) a list of ``{"id", "message", "section", "fingerprint"}``. The judge
+never runs a mutant, nor imports tests/, and the course ships its misconceptions with
+its solutions. A mutant whose results cannot be told from the solution's (it fails for
+a reason the results do not hold: a kernel it tampered with, a call it made), or whose
+probe raised, gets no entry.
+
+**A fingerprint** (:func:`fingerprint`, one line of compact JSON) is what the probe sent
+back that the judge reads (the names of ``expects``), reduced to a few numbers per case
+(a name's value that is a list or tuple holds a case per item, as the checks write them;
+else the value is one case), in bytes, not megabytes (a few KiB for 55 cases):
+
+- the case's signature (:mod:`.cases`: structure, dtypes, shapes) and its other leaves
+  (strings, bools, None, dict keys), each by a short hash;
+- its numbers (every tensor's elements and every number, in order, as float64): the
+  values themselves when there are at most :data:`PROJECTIONS`, else their norm and
+  :data:`PROJECTIONS` fixed pseudo-random projections (weights from integer arithmetic on
+  the element's index: the same on any machine; computed in chunks, so a large answer
+  costs no large buffer); NaNs and infinities are counted, not summed;
+- a path the cell leaves free (``metadata.mgpu_lab.free``): nothing of its value.
+
+**Matching** (:func:`closest`): a fingerprint matches a misconception's when every case
+(visible and hidden) has the same signature and other leaves, the same counts of NaNs,
+and numbers within the loosest tolerance of its dtypes (:data:`RTOL`: relative to the
+case's norm, so that float noise from another CPU's kernels holds, while a different
+result does not; integers almost exactly). Where several match, the closest (the smallest worst-leaf distance, in units
+of the tolerance). It runs in the judge, on the loaded answer, when a check fails; the
+reply carries the misconception's id only, and the grader words it from the
+instructor's notebook (:func:`hint`): what the answer does, and the section to re-read.
+It says nothing about the cases (no input, no value): only which known mistake matches.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Dict, Iterable, List, Optional, Tuple
+
+PROJECTIONS = 4
+CHUNK = 1 << 20               # elements per step of a projection
+RTOL = {"float64": 1e-3, "float32": 1e-3, "float16": 2e-2, "bfloat16": 2e-2,
+        "complex64": 1e-3, "complex128": 1e-3}
+EXACT_RTOL = 1e-6             # integer and bool tensors (their float64 sums are exact)
+NUMBER_RTOL = 1e-3            # a Python float (an int against an int: exact)
+ATOL = 1e-9
+SHORT = 40                    # a string longer than this is kept as its hash
+MESSAGE_LIMIT = 240           # characters of a misconception's message in feedback
+SECTION_LIMIT = 80
+META = "misconceptions"       # the graded cell's metadata.mgpu_lab key
+
+
+# --- fingerprints -----------------------------------------------------------------------
+
+# Projection j's multiplier: the fractional part of sqrt of the j-th prime, times 2**31
+# (weights of consecutive elements then spread evenly over [-0.5, 0.5)).
+_MULTIPLIERS = [int(math.modf(math.sqrt(p))[0] * 2**31) | 1 for p in (2, 3, 5, 7, 11, 13)]
+
+
+def _weights(start: int, stop: int, j: int):
+    """Projection ``j``'s weights for elements ``start..stop-1``: in [-0.5, 0.5), from
+    integer arithmetic on the index (the same on any machine), float64."""
+    import torch
+    idx = torch.arange(start, stop, dtype=torch.int64)
+    return ((idx * _MULTIPLIERS[j] + 12345 * (j + 1)) % 2**31).to(torch.float64) / 2**31 - 0.5
+
+
+class _Case:
+    """The leaves of one case, flattened: its numbers (in order), its other leaves, the
+    loosest tolerance of its dtypes."""
+
+    def __init__(self):
+        self.chunks, self.exact, self.rtol = [], [], EXACT_RTOL
+
+    def add(self, value, path: str, free) -> None:
+        import torch
+        from .cases import _kind
+        if any(f.match(path) for f in free):
+            self.exact.append("free")
+        elif isinstance(value, torch.Tensor):
+            x = torch.view_as_real(value.detach()) if value.is_complex() else value.detach()
+            self.chunks.append(x.reshape(-1))
+            self.rtol = max(self.rtol, RTOL.get(str(value.dtype).replace("torch.", ""), EXACT_RTOL))
+        elif isinstance(value, bool) or value is None:
+            self.exact.append(repr(value))
+        elif isinstance(value, (int, float, complex)):
+            self.chunks.append([value.real, value.imag] if isinstance(value, complex) else [value])
+            if not isinstance(value, int):
+                self.rtol = max(self.rtol, NUMBER_RTOL)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                self.add(v, f"{path}[{i}]", free)
+        elif isinstance(value, dict):
+            for k in sorted(value, key=repr):
+                self.exact.append(_short(k))
+                self.add(value[k], f"{path}[{k!r}]", free)
+        else:
+            self.exact.append(f"{_kind(value)}:{_short(value)}")
+
+    def entry(self, sig: str) -> list:
+        """``[signature, other leaves, rtol, numbers]``: numbers are the values themselves
+        (at most :data:`PROJECTIONS`), else the norm and the projections; with the counts
+        of NaN and infinite values where there are any."""
+        import torch
+        n = sum(len(c) if isinstance(c, list) else c.numel() for c in self.chunks)
+        nans = infs = 0
+        sq, proj, values = 0.0, [0.0] * PROJECTIONS, []
+        start = 0
+        for c in self.chunks:
+            c = torch.tensor(c, dtype=torch.float64) if isinstance(c, list) else c
+            for lo in range(0, c.numel(), CHUNK):
+                part = c[lo:lo + CHUNK].to(torch.float64)
+                bad = ~torch.isfinite(part)
+                if bool(bad.any()):
+                    nan = int(torch.isnan(part).sum())
+                    nans, infs = nans + nan, infs + int(bad.sum()) - nan
+                    part = torch.where(bad, torch.zeros_like(part), part)
+                if n <= PROJECTIONS:
+                    values += part.tolist()
+                else:
+                    sq += float((part * part).sum())
+                    for j in range(PROJECTIONS):
+                        proj[j] += float((part * _weights(start, start + part.numel(), j)).sum())
+                start += part.numel()
+        scale = math.sqrt(12.0 / max(n, 1))      # a unit vector's projections: about unit size
+        numbers = values if n <= PROJECTIONS else [math.sqrt(sq)] + [p * scale for p in proj]
+        out = [_hash(sig), _hash(self.exact) if self.exact else "", self.rtol,
+               [float(f"{v:.8g}") for v in numbers]]
+        return out + [[nans, infs]] if nans or infs else out
+
+
+def _hash(value) -> str:
+    return hashlib.sha1(repr(value).encode("utf-8", "surrogatepass")).hexdigest()[:10]
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= SHORT else "sha1:" + _hash(text)
+
+
+def fingerprint(answer: dict, names: Optional[Iterable[str]] = None, free=()) -> str:
+    """The fingerprint of a probe's loaded ``answer`` over ``names`` (default: all of them),
+    as compact JSON: ``{name: ["cases", entry, ...]}``, an entry per case where the value is
+    a list or tuple (its items), else ``{name: ["one", entry]}`` (:meth:`_Case.entry`); ``free``: the
+    cell's free path patterns (``metadata.mgpu_lab.free``), whose values are left out."""
+    import json
+    from .cases import _free, render, signature
+    patterns = _free(free)
+    out = {}
+    for name in sorted(answer if names is None else names):
+        if name not in answer:
+            out[name] = None
+            continue
+        value = answer[name]
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        entries = []
+        for i, item in items:
+            path = name if i is None else f"{name}[{i}]"
+            case = _Case()
+            case.add(item, path, patterns)
+            entries.append(case.entry(render(signature(item)) if not any(
+                f.match(path) for f in patterns) else "free"))
+        out[name] = ["cases" if isinstance(value, (list, tuple)) else "one"] + entries
+    return json.dumps(out, separators=(",", ":"), sort_keys=True)
+
+
+# --- matching ---------------------------------------------------------------------------
+
+def _close(a: float, b: float, rtol: float, scale: float = 0.0) -> float:
+    """``|a - b|`` in units of the tolerance."""
+    return abs(a - b) / (rtol * max(abs(a), abs(b), scale) + ATOL)
+
+
+def _entry_distance(d: list, e: list) -> float:
+    if not isinstance(d, list) or not isinstance(e, list) or len(d) != len(e) or len(d) < 4:
+        return math.inf
+    if d[0] != e[0] or d[1] != e[1] or d[4:] != e[4:] or len(d[3]) != len(e[3]):
+        return math.inf                      # another structure, exact leaf or count of NaNs
+    rtol, x, y = max(float(d[2]), float(e[2])), d[3], e[3]
+    if len(x) != PROJECTIONS + 1:            # the values themselves
+        return max([0.0] + [_close(a, b, rtol) for a, b in zip(x, y)])
+    norm = max(abs(x[0]), abs(y[0]))         # the norm, then projections relative to it
+    return max([_close(x[0], y[0], rtol)] + [_close(a, b, rtol, norm) for a, b in zip(x[1:], y[1:])])
+
+
+def distance(mine: str, theirs: str) -> float:
+    """The worst case's difference of two fingerprints in units of its tolerance (``inf``:
+    another structure, exact leaf or count of NaNs); <= 1: a match, on every case."""
+    import json
+    a, b = json.loads(mine), json.loads(theirs)
+    if not isinstance(a, dict) or not isinstance(b, dict) or sorted(a) != sorted(b):
+        return math.inf
+    worst = 0.0
+    for name in a:
+        x, y = a[name], b[name]
+        if x is None or y is None:
+            if x is not y:
+                return math.inf
+            continue
+        if not isinstance(x, list) or not isinstance(y, list) or len(x) != len(y):
+            return math.inf
+        for d, e in zip(x, y):
+            if isinstance(d, str) or isinstance(e, str):
+                if d != e:
+                    return math.inf
+                continue
+            worst = max(worst, _entry_distance(d, e))
+            if worst > 1.0:
+                return worst
+    return worst
+
+
+def closest(mine: str, known: Iterable[dict]) -> Optional[Tuple[str, float]]:
+    """``(id, distance)`` of the known misconception (``{"id", "fingerprint"}``) whose
+    fingerprint is closest to ``mine`` among those that match (distance <= 1), else None."""
+    best = None
+    for m in known or ():
+        try:
+            d = distance(mine, m["fingerprint"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if d <= 1.0 and (best is None or d < best[1]):
+            best = (str(m["id"]), d)
+    return best
+
+
+# --- what the feedback says -------------------------------------------------------------
+
+def of_cell(cell) -> List[dict]:
+    """The misconceptions stored in graded cell ``cell`` (the instructor's)."""
+    from ..notebook.cells import course_meta
+    found = course_meta(cell).get(META) or []
+    return [m for m in found if isinstance(m, dict) and "id" in m and "fingerprint" in m]
+
+
+def hint(cell, misconception_id: Optional[str]) -> str:
+    """The feedback's sentence for a matched misconception of ``cell`` ("" when none)."""
+    if not misconception_id:
+        return ""
+    for m in of_cell(cell):
+        if m["id"] == misconception_id:
+            message = " ".join(str(m.get("message") or m["id"].replace("_", " ")).split())
+            if len(message) > MESSAGE_LIMIT:
+                message = message[:MESSAGE_LIMIT - 3] + "..."
+            section = " ".join(str(m.get("section") or "").split())[:SECTION_LIMIT]
+            return ("This looks like a known misconception: " + message.rstrip(".")
+                    + (f" (see '{section}')" if section else "") + ".")
+    return ""
+
+
+def label(misconception_id: str) -> str:
+    """A misconception's short name in a class report: its id in words."""
+    return str(misconception_id).replace("_", " ")[:60]
+
