@@ -108,6 +108,9 @@ def test_the_student_lab_carries_no_misconception():
     assert any("misconceptions" in c.metadata.get("mgpu_lab", {}) for c in graded_cells(sol).values())
     lab = make_lab(sol)
     assert not any("misconceptions" in c.metadata.get("mgpu_lab", {}) for c in lab.cells)
+    for path in sorted((ROOT / "labs").glob("*.ipynb")):      # as built
+        nb = nbformat.read(path, as_version=4)
+        assert not any("misconceptions" in c.metadata.get("mgpu_lab", {}) for c in nb.cells), path.name
 
 
 @pytest.mark.slow
@@ -160,3 +163,33 @@ def test_the_report_counts_misconceptions_per_exercise_on_a_fake_class(tmp_path)
     feedback = write_feedback(grades, tmp_path)
     text = next(p for p in feedback if p.parent.name == "s4").read_text()
     assert "=cmd\\|" in text                # escaped as every text of the feedback
+
+
+def test_no_fingerprint_is_taken_of_an_answer_with_other_case_counts():
+    from mgpu_lab.course.grading.misconceptions import could_match
+    known = [{"id": "m", "fingerprint": fingerprint(_answer())}]
+    names = ["parts", "count", "ok", "loss", "half"]
+    assert could_match(_answer(), names, known)
+    longer = _answer()
+    longer["parts"] = longer["parts"] * 1000           # 3000 cases: not fingerprinted at all
+    assert not could_match(longer, names, known)
+    assert not could_match({"parts": 1}, names, known)
+
+
+def test_every_stored_misconception_is_a_wrong_mutant_of_its_exercise():
+    """A mutant renamed or removed leaves no misconception behind (rerun
+    ``mgpu-lab labs expects --misconceptions``)."""
+    from mutants import all_mutants
+    from mgpu_lab.course.grading.misconceptions import of_cell
+    from mgpu_lab.course.notebook.cells import exercise_of
+    mutants = {(m.lab, m.exercise, m.name) for m in all_mutants() if m.misconception}
+    stale = []
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        exercise = exercise_of(nb)
+        for gid, cell in graded_cells(nb).items():
+            for m in of_cell(cell):
+                if (path.stem, exercise.get(gid), m["id"]) not in mutants:
+                    stale.append(f"{path.stem} {gid}: {m['id']}")
+                assert len(m["fingerprint"]) < 64_000 and m.get("message"), (path.stem, gid, m["id"])
+    assert not stale, "misconceptions of no current wrong mutant:\n" + "\n".join(stale)

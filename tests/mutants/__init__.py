@@ -21,7 +21,7 @@ is graded in its place; the docstring names the mistake. The kinds:
   redefined helper of the notebook).
 
 A ``wrong`` mutant is also one of the course's *misconceptions* (:attr:`Mutant.misconception`,
-but issue 29's attacks on the grader): ``mgpu-lab labs expects --misconceptions`` stores the
+but the attacks on the grader: a docstring that starts "attack"): ``mgpu-lab labs expects --misconceptions`` stores the
 fingerprint of its results in the solution, and the feedback of an answer whose results
 match names it (``mgpu_lab/course/grading/misconceptions.py``) with its ``message=`` (default:
 the docstring) and ``section=`` (default: the lab's section above the exercise).
@@ -54,8 +54,9 @@ class Mutant:
     @property
     def misconception(self) -> bool:
         """A wrong answer the feedback names (``labs expects --misconceptions``): the
-        ``wrong`` ones, but the attacks on the grader (issue 29's)."""
-        return self.kind == "wrong" and not self.mistake.lower().startswith("issue 29 attack")
+        ``wrong`` ones but the attacks on the grader (a docstring that starts "attack" or
+        "issue 29 attack")."""
+        return self.kind == "wrong" and not re.match(r"(issue \d+ )?attack\b", self.mistake.lower())
 
 
 def mutant(exercise: str, kind: str, message: str = "", section: str = ""):

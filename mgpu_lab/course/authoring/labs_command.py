@@ -199,12 +199,12 @@ def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[
     misconceptions (:mod:`~mgpu_lab.course.grading.misconceptions`): every wrong mutant of
     the lab (:func:`lab_mutants`) graded by the real grader, the notebook cut after its
     exercise's last graded cell; a fingerprint stored for each graded cell of its exercise
-    that it fails, unless its results are the solution's (within the tolerance) or did not
-    come back. The grade ids whose misconceptions changed."""
+    that it fails, unless its results are the solution's or an earlier misconception's
+    (within the tolerance), or did not come back. The grade ids whose misconceptions changed."""
     import copy
     from ..grading.cases import cases_of
     from ..grading.judge_pool import JudgePool
-    from ..grading.misconceptions import META, distance, fingerprint
+    from ..grading.misconceptions import META, closest, distance, fingerprint
     from ..grading.sandbox import Limits
     from ..grading.session import JUDGE_TIMEOUT, judge_environment
     from ..notebook.cells import exercise_of, graded_cells, nbgrader_meta
@@ -248,6 +248,10 @@ def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[
                 fp = prints(gid, got[gid])
                 if distance(fp, right[gid]) <= 1.0:
                     log(f"  {m.name} ({gid}): the solution's results ({v.error}): not stored")
+                    continue
+                same = closest(fp, found[gid])
+                if same is not None:          # the feedback could not tell them apart
+                    log(f"  {m.name} ({gid}): the results of {same[0]}: not stored")
                     continue
                 found[gid].append({"id": m.name, "message": m.message or m.mistake,
                                    "section": m.section or sections.get(m.exercise, ""),

@@ -257,10 +257,12 @@ def judge_answer(ns: dict, req: Judge) -> Reply:
 def _fingerprint(answer: dict, missing: List[str], cases: dict):
     """The answer's fingerprint over the names the check reads (:mod:`.misconceptions`),
     taken before the judge part runs (it may change the tensors it reads); None if it fails."""
-    from .misconceptions import fingerprint
+    from .misconceptions import could_match, fingerprint
     try:
-        return fingerprint({k: v for k, v in answer.items() if k not in missing},
-                           cases["expects"], cases.get("free", ()))
+        sent = {k: v for k, v in answer.items() if k not in missing}
+        if not could_match(sent, cases["expects"], cases.get("misconceptions")):
+            return None
+        return fingerprint(sent, cases["expects"], cases.get("free", ()))
     except Exception:
         return None
 

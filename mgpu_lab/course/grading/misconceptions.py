@@ -17,17 +17,19 @@ a reason the results do not hold: a kernel it tampered with, a call it made), or
 probe raised, gets no entry.
 
 **A fingerprint** (:func:`fingerprint`, one line of compact JSON) is what the probe sent
-back that the judge reads (the names of ``expects``), reduced to a few numbers per case
-(a name's value that is a list or tuple holds a case per item, as the checks write them;
-else the value is one case), in bytes, not megabytes (a few KiB for 55 cases):
+back that the judge reads (the names of ``expects``), reduced to a few numbers per case,
+in bytes, not megabytes (a few KiB for lab 00's 55 cases of up to 10 tensors). A *case*:
+the items of lists, tuples and dicts (of at most :data:`WIDE` items), down to
+:data:`DEPTH` levels, are cases of their own, as the checks write their cases; below, or
+in a wider container, a value is one case. Of a case it keeps
 
-- the case's signature (:mod:`.cases`: structure, dtypes, shapes) and its other leaves
-  (strings, bools, None, dict keys), each by a short hash;
+- its signature (:mod:`.cases`: structure, dtypes, shapes) and its other leaves (strings,
+  bools, None, dict keys), each by a short hash;
 - its numbers (every tensor's elements and every number, in order, as float64): the
   values themselves when there are at most :data:`PROJECTIONS`, else their norm and
-  :data:`PROJECTIONS` fixed pseudo-random projections (weights from integer arithmetic on
-  the element's index: the same on any machine; computed in chunks, so a large answer
-  costs no large buffer); NaNs and infinities are counted, not summed;
+  :data:`PROJECTIONS` fixed pseudo-random projections (weights ``frac(i * phi)`` of the
+  element's index: IEEE arithmetic, the same on any machine; made once, applied by chunks);
+  NaNs and infinities are counted, not summed;
 - a path the cell leaves free (``metadata.mgpu_lab.free``): nothing of its value.
 
 **Matching** (:func:`closest`): a fingerprint matches a misconception's when every case
@@ -47,13 +49,15 @@ import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
 PROJECTIONS = 4
-CHUNK = 1 << 20               # elements per step of a projection
+CHUNK = 1 << 18               # elements per step of a projection (its weights: 8 MiB, made once)
 RTOL = {"float64": 1e-3, "float32": 1e-3, "float16": 2e-2, "bfloat16": 2e-2,
         "complex64": 1e-3, "complex128": 1e-3}
 EXACT_RTOL = 1e-6             # integer and bool tensors (their float64 sums are exact)
-NUMBER_RTOL = 1e-3            # a Python float (an int against an int: exact)
+NUMBER_RTOL = 1e-4            # a Python float (an int against an int: exact)
 ATOL = 1e-9
 SHORT = 40                    # a string longer than this is kept as its hash
+DEPTH = 4                     # container levels whose items are cases of their own
+WIDE = 128                    # a container of more items is one case
 MESSAGE_LIMIT = 240           # characters of a misconception's message in feedback
 SECTION_LIMIT = 80
 META = "misconceptions"       # the graded cell's metadata.mgpu_lab key
@@ -61,50 +65,68 @@ META = "misconceptions"       # the graded cell's metadata.mgpu_lab key
 
 # --- fingerprints -----------------------------------------------------------------------
 
-# Projection j's multiplier: the fractional part of sqrt of the j-th prime, times 2**31
-# (weights of consecutive elements then spread evenly over [-0.5, 0.5)).
-_MULTIPLIERS = [int(math.modf(math.sqrt(p))[0] * 2**31) | 1 for p in (2, 3, 5, 7, 11, 13)]
+_PHI = [math.modf(math.sqrt(p))[0] for p in (2, 3, 5, 7, 11, 13)]
+_BASE: dict = {}
 
 
-def _weights(start: int, stop: int, j: int):
-    """Projection ``j``'s weights for elements ``start..stop-1``: in [-0.5, 0.5), from
-    integer arithmetic on the index (the same on any machine), float64."""
+def _base(n: int):
+    """The weights of the first ``n`` elements of a chunk, one row per projection, in
+    [-0.5, 0.5): ``frac(i * phi_j)`` (IEEE float64: the same on any machine), made once."""
     import torch
-    idx = torch.arange(start, stop, dtype=torch.int64)
-    return ((idx * _MULTIPLIERS[j] + 12345 * (j + 1)) % 2**31).to(torch.float64) / 2**31 - 0.5
+    if "w" not in _BASE:
+        i = torch.arange(CHUNK, dtype=torch.float64)
+        _BASE["w"] = torch.stack([torch.frac(i * _PHI[j] + 0.5 * _PHI[j + 1]) - 0.5
+                                  for j in range(PROJECTIONS)])
+    return _BASE["w"][:, :n]
+
+
+def _chunk_factor(q: int, j: int) -> float:
+    """Chunk ``q``'s factor on projection ``j``: elements of different chunks weigh differently."""
+    return 1.0 + math.modf(q * _PHI[(j + 2) % len(_PHI)])[0]
 
 
 class _Case:
     """The leaves of one case, flattened: its numbers (in order), its other leaves, the
     loosest tolerance of its dtypes."""
 
-    def __init__(self):
-        self.chunks, self.exact, self.rtol = [], [], EXACT_RTOL
-
-    def add(self, value, path: str, free) -> None:
+    def __init__(self, free):
         import torch
         from .cases import _kind
-        if any(f.match(path) for f in free):
+        self.chunks, self.exact, self.rtol = [], [], EXACT_RTOL
+        self.free, self.torch, self.kind = free, torch, _kind
+
+    def add(self, value, path) -> None:
+        """``path``: the value's path, where the cell has free paths (else None: not needed)."""
+        if path is not None and any(f.match(path) for f in self.free):
             self.exact.append("free")
-        elif isinstance(value, torch.Tensor):
-            x = torch.view_as_real(value.detach()) if value.is_complex() else value.detach()
+        elif isinstance(value, self.torch.Tensor):
+            x = self.torch.view_as_real(value.detach()) if value.is_complex() else value.detach()
             self.chunks.append(x.reshape(-1))
             self.rtol = max(self.rtol, RTOL.get(str(value.dtype).replace("torch.", ""), EXACT_RTOL))
         elif isinstance(value, bool) or value is None:
             self.exact.append(repr(value))
         elif isinstance(value, (int, float, complex)):
-            self.chunks.append([value.real, value.imag] if isinstance(value, complex) else [value])
+            numbers = [value.real, value.imag] if isinstance(value, complex) else [value]
+            if self.chunks and isinstance(self.chunks[-1], list):   # numbers in a row: one chunk
+                self.chunks[-1] += numbers
+            else:
+                self.chunks.append(numbers)
             if not isinstance(value, int):
                 self.rtol = max(self.rtol, NUMBER_RTOL)
         elif isinstance(value, (list, tuple)):
+            if path is None and all(type(v) in (int, float) for v in value):   # numbers: at once
+                self.chunks.append(list(value))
+                if not all(type(v) is int for v in value):
+                    self.rtol = max(self.rtol, NUMBER_RTOL)
+                return
             for i, v in enumerate(value):
-                self.add(v, f"{path}[{i}]", free)
+                self.add(v, None if path is None else f"{path}[{i}]")
         elif isinstance(value, dict):
             for k in sorted(value, key=repr):
                 self.exact.append(_short(k))
-                self.add(value[k], f"{path}[{k!r}]", free)
+                self.add(value[k], None if path is None else f"{path}[{k!r}]")
         else:
-            self.exact.append(f"{_kind(value)}:{_short(value)}")
+            self.exact.append(f"{self.kind(value)}:{_short(value)}")
 
     def entry(self, sig: str) -> list:
         """``[signature, other leaves, rtol, numbers]``: numbers are the values themselves
@@ -127,9 +149,15 @@ class _Case:
                 if n <= PROJECTIONS:
                     values += part.tolist()
                 else:
-                    sq += float((part * part).sum())
-                    for j in range(PROJECTIONS):
-                        proj[j] += float((part * _weights(start, start + part.numel(), j)).sum())
+                    sq += float(part.dot(part))
+                    pos = 0
+                    while pos < part.numel():    # by the case's chunks of CHUNK elements
+                        q, offset = divmod(start + pos, CHUNK)
+                        take = min(part.numel() - pos, CHUNK - offset)
+                        w = _base(offset + take)[:, offset:]
+                        for j, p in enumerate((w @ part[pos:pos + take]).tolist()):
+                            proj[j] += _chunk_factor(q, j) * p
+                        pos += take
                 start += part.numel()
         scale = math.sqrt(12.0 / max(n, 1))      # a unit vector's projections: about unit size
         numbers = values if n <= PROJECTIONS else [math.sqrt(sq)] + [p * scale for p in proj]
@@ -147,30 +175,74 @@ def _short(value) -> str:
     return text if len(text) <= SHORT else "sha1:" + _hash(text)
 
 
+def _node(value, path: str, depth: int, patterns):
+    """A value's fingerprint: a container of at most :data:`WIDE` items above
+    :data:`DEPTH` levels is ``["[", item, ...]`` (a list or tuple) or ``["{keys", item, ...]``
+    (a dict, its keys by a hash), its items' cases in turn; anything else is one case,
+    ``[signature, other leaves, rtol, numbers]`` (:meth:`_Case.entry`)."""
+    from .cases import render, signature
+    if patterns and any(f.match(path) for f in patterns):
+        return "free"
+    if depth < DEPTH and isinstance(value, (list, tuple, dict)) and 0 < len(value) <= WIDE:
+        if isinstance(value, dict):
+            keys = sorted(value, key=repr)
+            return (["{" + _hash([_short(k) for k in keys])]
+                    + [_node(value[k], f"{path}[{k!r}]", depth + 1, patterns) for k in keys])
+        return ["["] + [_node(v, f"{path}[{i}]", depth + 1, patterns) for i, v in enumerate(value)]
+    case = _Case(patterns)
+    case.add(value, path if patterns else None)
+    return case.entry(render(signature(value)))
+
+
 def fingerprint(answer: dict, names: Optional[Iterable[str]] = None, free=()) -> str:
     """The fingerprint of a probe's loaded ``answer`` over ``names`` (default: all of them),
-    as compact JSON: ``{name: ["cases", entry, ...]}``, an entry per case where the value is
-    a list or tuple (its items), else ``{name: ["one", entry]}`` (:meth:`_Case.entry`); ``free``: the
-    cell's free path patterns (``metadata.mgpu_lab.free``), whose values are left out."""
+    as compact JSON: ``{name: its cases (:func:`_node`), or null when it is missing}``;
+    ``free``: the cell's free path patterns (``metadata.mgpu_lab.free``), whose values are
+    left out."""
     import json
-    from .cases import _free, render, signature
+    from .cases import _free
     patterns = _free(free)
-    out = {}
-    for name in sorted(answer if names is None else names):
-        if name not in answer:
-            out[name] = None
-            continue
-        value = answer[name]
-        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
-        entries = []
-        for i, item in items:
-            path = name if i is None else f"{name}[{i}]"
-            case = _Case()
-            case.add(item, path, patterns)
-            entries.append(case.entry(render(signature(item)) if not any(
-                f.match(path) for f in patterns) else "free"))
-        out[name] = ["cases" if isinstance(value, (list, tuple)) else "one"] + entries
+    out = {name: _node(answer[name], name, 0, patterns) if name in answer else None
+           for name in sorted(answer if names is None else names)}
     return json.dumps(out, separators=(",", ":"), sort_keys=True)
+
+
+def _container(node) -> bool:
+    return isinstance(node, list) and bool(node) and isinstance(node[0], str) and node[0][:1] in "[{"
+
+
+def _skeleton_fits(node, value) -> bool:
+    """Whether ``value`` has the containers and lengths of fingerprint ``node`` (a walk as
+    long as the stored fingerprint, whatever ``value`` holds)."""
+    if not _container(node):
+        return True
+    if node[0] == "[":
+        if not isinstance(value, (list, tuple)) or len(value) != len(node) - 1:
+            return False
+        return all(_skeleton_fits(n, v) for n, v in zip(node[1:], value))
+    if not isinstance(value, dict) or len(value) != len(node) - 1:
+        return False
+    keys = sorted(value, key=repr)
+    return node[0] == "{" + _hash([_short(k) for k in keys]) and all(
+        _skeleton_fits(n, value[k]) for n, k in zip(node[1:], keys))
+
+
+def could_match(answer: dict, names: Iterable[str], known: Iterable[dict]) -> bool:
+    """Whether ``answer`` has the containers and lengths of some known misconception's
+    fingerprint (else none can match, and no fingerprint is taken: its cost stays that of
+    the solution's cases, whatever the answer holds)."""
+    import json
+    names = sorted(names)
+    for m in known or ():
+        try:
+            theirs = json.loads(m["fingerprint"])
+            if sorted(theirs) == names and all(
+                    (n in answer) == (theirs[n] is not None)
+                    and (n not in answer or _skeleton_fits(theirs[n], answer[n])) for n in names):
+                return True
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError):
+            continue
+    return False
 
 
 # --- matching ---------------------------------------------------------------------------
@@ -192,6 +264,21 @@ def _entry_distance(d: list, e: list) -> float:
     return max([_close(x[0], y[0], rtol)] + [_close(a, b, rtol, norm) for a, b in zip(x[1:], y[1:])])
 
 
+def _node_distance(x, y) -> float:
+    if isinstance(x, str) or isinstance(y, str) or x is None or y is None:
+        return 0.0 if x == y else math.inf
+    if _container(x) or _container(y):
+        if not (_container(x) and _container(y)) or x[0] != y[0] or len(x) != len(y):
+            return math.inf
+        worst = 0.0
+        for a, b in zip(x[1:], y[1:]):
+            worst = max(worst, _node_distance(a, b))
+            if worst > 1.0:
+                break
+        return worst
+    return _entry_distance(x, y)
+
+
 def distance(mine: str, theirs: str) -> float:
     """The worst case's difference of two fingerprints in units of its tolerance (``inf``:
     another structure, exact leaf or count of NaNs); <= 1: a match, on every case."""
@@ -201,21 +288,9 @@ def distance(mine: str, theirs: str) -> float:
         return math.inf
     worst = 0.0
     for name in a:
-        x, y = a[name], b[name]
-        if x is None or y is None:
-            if x is not y:
-                return math.inf
-            continue
-        if not isinstance(x, list) or not isinstance(y, list) or len(x) != len(y):
-            return math.inf
-        for d, e in zip(x, y):
-            if isinstance(d, str) or isinstance(e, str):
-                if d != e:
-                    return math.inf
-                continue
-            worst = max(worst, _entry_distance(d, e))
-            if worst > 1.0:
-                return worst
+        worst = max(worst, _node_distance(a[name], b[name]))
+        if worst > 1.0:
+            return worst
     return worst
 
 
