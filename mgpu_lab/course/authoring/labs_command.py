@@ -197,10 +197,10 @@ def _graded_run(instructor, submission, timeout: float, pool=None):
 def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[str]:
     """Store in each graded cell of the solution at ``path`` its exercise's known
     misconceptions (:mod:`~mgpu_lab.course.grading.misconceptions`): every wrong mutant of
-    the lab (:func:`lab_mutants`) graded by the real grader, the notebook cut after its
+    the lab (:func:`lab_mutants`) graded twice by the real grader, the notebook cut after its
     exercise's last graded cell; a fingerprint stored for each graded cell of its exercise
     that it fails, unless its results are the solution's or an earlier misconception's
-    (within the tolerance), or did not come back. The grade ids whose misconceptions changed."""
+    (within the tolerance), differ from one grading to the next, or did not come back. The grade ids whose misconceptions changed."""
     import copy
     from ..grading.cases import cases_of
     from ..grading.judge_pool import JudgePool
@@ -237,6 +237,7 @@ def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[
                         and nbgrader_meta(c).get("grade_id") == m.exercise)
             cell.source = m.make(cell.source)
             got, said = _graded_run(cut, submission, timeout, pool)
+            again, _ = _graded_run(cut, submission, timeout, pool)   # the same results twice?
             for gid in mine:
                 v = said.get(gid)
                 if v is None or not v.error:
@@ -246,6 +247,9 @@ def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[
                     log(f"  {m.name} ({gid}): its probe sent nothing back ({v.error}): not stored")
                     continue
                 fp = prints(gid, got[gid])
+                if gid not in again or distance(fp, prints(gid, again[gid])) > 1.0:
+                    log(f"  {m.name} ({gid}): other results when graded again: not stored")
+                    continue
                 if distance(fp, right[gid]) <= 1.0:
                     log(f"  {m.name} ({gid}): the solution's results ({v.error}): not stored")
                     continue

@@ -8,13 +8,19 @@ misconceptions. A failed check names the one the learner's results match.
 deterministic (seeded inputs, :mod:`.cases`), so running each misconception "on the
 same cases" needs no code at grading: ``mgpu-lab labs expects --misconceptions``
 (:func:`~mgpu_lab.course.authoring.labs_command.write_misconceptions`) grades every
-wrong mutant of the lab through the real grader once, and stores in the solution's
+wrong mutant of the lab through the real grader (twice), and stores in the solution's
 graded cell (``metadata.mgpu_lab.misconceptions``, stripped from the student labs as
 ``expects`` is) a list of ``{"id", "message", "section", "fingerprint"}``. The judge
 never runs a mutant, nor imports tests/, and the course ships its misconceptions with
 its solutions. A mutant whose results cannot be told from the solution's (it fails for
-a reason the results do not hold: a kernel it tampered with, a call it made), or whose
-probe raised, gets no entry.
+a reason the results do not hold: a file it left, a call it made) or from an earlier
+mutant's, whose results differ from one grading to the next, or whose probe raised, gets
+no entry: the feedback could not name it for sure. The attacks on the grader (a mutant
+whose docstring starts "attack") are no misconceptions.
+
+**Why not at grading.** Running the mutants in the judge would put tests/ code in the
+grader's package and cost a run per mutant per submission; fingerprints cost a few KiB per
+misconception and a projection of the answer the judge holds anyway.
 
 **A fingerprint** (:func:`fingerprint`, one line of compact JSON) is what the probe sent
 back that the judge reads (the names of ``expects``), reduced to a few numbers per case,
@@ -36,11 +42,17 @@ in a wider container, a value is one case. Of a case it keeps
 (visible and hidden) has the same signature and other leaves, the same counts of NaNs,
 and numbers within the loosest tolerance of its dtypes (:data:`RTOL`: relative to the
 case's norm, so that float noise from another CPU's kernels holds, while a different
-result does not; integers almost exactly). Where several match, the closest (the smallest worst-leaf distance, in units
-of the tolerance). It runs in the judge, on the loaded answer, when a check fails; the
+result does not; integers almost exactly). Where several match, the closest (the
+smallest worst-case distance, in units of the tolerance). It runs in the judge, on the loaded answer, when a check fails; the
 reply carries the misconception's id only, and the grader words it from the
 instructor's notebook (:func:`hint`): what the answer does, and the section to re-read.
 It says nothing about the cases (no input, no value): only which known mistake matches.
+The fingerprint is taken before the judge part runs (it may change the tensors it reads),
+only where the cell has misconceptions and the answer has the containers and lengths of
+one (:func:`could_match`: its cost is bounded by the solution's cases).
+
+Left for later: where none matches, the feedback does not yet say what was compared and
+where it first differs (the check's own message says what it says).
 """
 from __future__ import annotations
 
