@@ -20,11 +20,12 @@ is graded in its place; the docstring names the mistake. The kinds:
 - ``tamper``: an attempt on the kernel (``torch.equal = ...``, IPython hooks, a
   redefined helper of the notebook).
 
-A ``wrong`` mutant is also one of the course's *misconceptions* (:attr:`Mutant.misconception`,
-but the attacks on the grader: a docstring that starts "attack"): ``mgpu-lab labs expects --misconceptions`` stores the
-fingerprint of its results in the solution, and the feedback of an answer whose results
-match names it (``mgpu_lab/course/grading/misconceptions.py``) with its ``message=`` (default:
-the docstring) and ``section=`` (default: the lab's section above the exercise).
+A ``wrong`` mutant is also one of the course's *misconceptions* (:attr:`Mutant.misconception`;
+not the attacks on the grader, whose docstring starts "attack"): ``mgpu-lab labs expects
+--misconceptions`` stores the fingerprint of its results in the solution, and the feedback
+of an answer whose results match names it (``mgpu_lab/course/grading/misconceptions.py``)
+with its ``message=`` (default: the docstring) and ``section=`` (default: the lab's section
+above the exercise).
 
 ``tests/test_mutants.py`` grades every lab with its mutants in place and requires a
 kill rate of 100 %: each mutant scores 0 on its exercise, for the right reason.
