@@ -26,6 +26,13 @@ is graded in its place; the docstring names the mistake. The kinds:
 exercise's first copy and each first reference renamed and run in a thread-pool worker:
 those take the place of the mutant they are made from in the rounds (``replaces``).
 
+A ``wrong`` mutant is also one of the course's *misconceptions* (:attr:`Mutant.misconception`;
+not the attacks on the grader, whose docstring starts "attack"): ``mgpu-lab labs expects
+--misconceptions`` stores the fingerprint of its results in the solution, and the feedback
+of an answer whose results match names it (``mgpu_lab/course/grading/misconceptions.py``)
+with its ``message=`` (default: the docstring) and ``section=`` (default: the lab's section
+above the exercise).
+
 ``tests/test_mutants.py`` grades every lab with its mutants in place and requires a
 kill rate of 100 %: each mutant scores 0 on its exercise, for the right reason.
 """
@@ -50,16 +57,26 @@ class Mutant:
     make: Callable[[str], str]
     replaces: str = ""     # generated: the hand-written mutant whose place it takes in the rounds
     generated: bool = False
+    message: str = ""      # a misconception's feedback, in the lab's words (default: mistake)
+    section: str = ""      # the lab's section that explains it (default: the exercise's)
+
+    @property
+    def misconception(self) -> bool:
+        """A wrong answer the feedback names (``labs expects --misconceptions``): the
+        ``wrong`` ones but the attacks on the grader (a docstring that starts "attack" or
+        "issue 29 attack")."""
+        return self.kind == "wrong" and not re.match(r"(issue \d+ )?attack\b", self.mistake.lower())
 
 
-def mutant(exercise: str, kind: str):
-    """Register the decorated function as a mutant of ``exercise`` (its module's LAB)."""
+def mutant(exercise: str, kind: str, message: str = "", section: str = ""):
+    """Register the decorated function as a mutant of ``exercise`` (its module's LAB);
+    ``message``, ``section``: how the feedback names it, where it is a misconception."""
     assert kind in KINDS, kind
 
     def register(fn):
         lab = importlib.import_module(fn.__module__).LAB
         _REGISTRY.append(Mutant(lab, exercise, kind, fn.__name__,
-                                (fn.__doc__ or "").strip(), fn))
+                                (fn.__doc__ or "").strip(), fn, message=message, section=section))
         return fn
     return register
 

@@ -84,6 +84,14 @@ def scatter_reduce_one_step_short(solution):
                 "for s in range(1, world - 1):  # scatter-reduce steps 1..N-2")
 
 
+@mutant("ex2_ring", "wrong")
+def forwards_the_received_chunk(solution):
+    "forwards the chunk it received, not the one it reduced: each step passes on one rank's part, so the partial sums miss the ranks before"
+    solution = swap(solution, "        incoming = torch.empty_like(acc)\n",
+                    "        if s > 1:\n            send = incoming\n        incoming = torch.empty_like(acc)\n")
+    return solution
+
+
 @mutant("ex2_ring", "reference")
 def calls_dist_all_reduce(solution):
     "dist.all_reduce itself, the left ring's byte count, and the final tensor as every state"

@@ -2,8 +2,10 @@
 
     mgpu-lab labs build [--check] [SOLUTION ...]   labs/ generated from solutions/
     mgpu-lab labs execute [NOTEBOOK ...]           run solutions in place, store outputs
-    mgpu-lab labs expects [NOTEBOOK ...]           store the cases each check asks for (after
-                                                   a probe or its inputs change)
+    mgpu-lab labs expects [NOTEBOOK ...] [--misconceptions]
+                                                   store the cases each check asks for (after
+                                                   a probe or its inputs change); and the
+                                                   fingerprints of the lab's misconceptions
     mgpu-lab labs copy DIR [--labs NN ...] [--update]  the labs, to work in (no clone needed);
                                                    --update: a changed lab replaces an older copy
     mgpu-lab labs check NN [--portable]            one lab, as CI checks it (the author's loop)
@@ -138,6 +140,143 @@ def write_expects(path: Path, timeout: float = 600.0, answers: dict = None) -> L
     return changed
 
 
+def exercise_sections(nb) -> dict:
+    """``{exercise grade_id: the title of the lab's section (a level-1 or 2 heading) above
+    its cell}``: where a misconception of that exercise is explained, by default."""
+    from ..notebook.cells import nbgrader_meta
+    from ..notebook.exercises import HEADING
+    out, section = {}, ""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                m = HEADING.match(line)
+                if m and len(line.lstrip()) - len(line.lstrip().lstrip("#")) <= 2:
+                    section = m.group(1)
+        meta = nbgrader_meta(cell)
+        if meta.get("solution") and meta.get("grade_id"):
+            out[meta["grade_id"]] = section
+    return out
+
+
+def lab_mutants(path: Path) -> list:
+    """The misconceptions of the lab at ``path`` (``tests/mutants``' wrong answers of the
+    checkout the solution lies in: :attr:`Mutant.misconception`)."""
+    import importlib
+    tests = Path(path).resolve().parent.parent / "tests"
+    if not (tests / "mutants" / "__init__.py").is_file():
+        raise FileNotFoundError(f"no {tests / 'mutants'}: misconceptions are written from "
+                                "a course checkout")
+    if str(tests) not in sys.path:
+        sys.path.insert(0, str(tests))
+    mutants = importlib.import_module("mutants")
+    return [m for m in mutants.all_mutants() if m.lab == Path(path).stem and m.misconception]
+
+
+def _graded_run(instructor, submission, timeout: float, pool=None):
+    """``(answers {grade_id: {name: value}}, verdicts {grade_id: Verdict or None})`` of
+    ``submission`` graded against ``instructor`` by the real grader (no static pass)."""
+    from ..grading.judge import load_answer
+    from ..grading.sandbox import Limits, probe
+    from ..grading.session import run_prepared
+    from ..grading.submission import prepare_submission
+    captured: dict = {}
+    prepared = prepare_submission(submission, instructor)
+    run = run_prepared(prepared, instructor, probe(), Limits(), timeout, None, pool=pool,
+                       capture=captured)
+    answers = {}
+    for gid, msg in captured.items():
+        answers[gid] = {}
+        for name, data in msg.names.items():
+            try:
+                answers[gid][name] = load_answer(data)
+            except Exception:
+                pass
+    return answers, {gid: run.verdicts.get(i) for i, gid in prepared.graded.items()}
+
+
+def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[str]:
+    """Store in each graded cell of the solution at ``path`` its exercise's known
+    misconceptions (:mod:`~mgpu_lab.course.grading.misconceptions`): every wrong mutant of
+    the lab (:func:`lab_mutants`) graded twice by the real grader, the notebook cut after its
+    exercise's last graded cell; a fingerprint stored for each graded cell of its exercise
+    that it fails, unless its results are the solution's or an earlier misconception's
+    (within the tolerance), differ from one grading to the next, or did not come back. The grade ids whose misconceptions changed."""
+    import copy
+    from ..grading.cases import cases_of
+    from ..grading.judge_pool import JudgePool
+    from ..grading.misconceptions import META, closest, distance, fingerprint
+    from ..grading.sandbox import Limits
+    from ..grading.session import JUDGE_TIMEOUT, judge_environment
+    from ..notebook.cells import exercise_of, graded_cells, nbgrader_meta
+    nb = nbformat.read(path, as_version=4)
+    clean = copy.deepcopy(nb)
+    for cell in graded_cells(clean).values():
+        cell.metadata.get("mgpu_lab", {}).pop(META, None)
+    tests, exercise, sections = graded_cells(clean), exercise_of(clean), exercise_sections(clean)
+    cases = {gid: cases_of(cell) for gid, cell in tests.items()}
+
+    def prints(gid, answer):
+        return fingerprint(answer, cases[gid].get("expects", answer), cases[gid].get("free", ()))
+
+    pool = JudgePool(lambda home: judge_environment(home, Limits().memory_gib),
+                     max(timeout, JUDGE_TIMEOUT))
+    found: dict = {gid: [] for gid in tests}
+    try:
+        answers, verdicts = _graded_run(clean, clean, timeout, pool)
+        failed = [g for g, v in verdicts.items() if v is None or v.error]
+        if failed:
+            raise RuntimeError(f"{path.name}: the solution fails its own checks: {failed}")
+        right = {gid: prints(gid, a) for gid, a in answers.items()}
+        for m in lab_mutants(path):
+            mine = [g for g, ex in exercise.items() if ex == m.exercise]
+            last = max(i for i, c in enumerate(clean.cells) if nbgrader_meta(c).get("grade_id") in mine)
+            cut = copy.deepcopy(clean)
+            cut.cells = cut.cells[:last + 1]
+            submission = copy.deepcopy(cut)
+            cell = next(c for c in submission.cells if nbgrader_meta(c).get("solution")
+                        and nbgrader_meta(c).get("grade_id") == m.exercise)
+            cell.source = m.make(cell.source)
+            got, said = _graded_run(cut, submission, timeout, pool)
+            again, _ = _graded_run(cut, submission, timeout, pool)   # the same results twice?
+            for gid in mine:
+                v = said.get(gid)
+                if v is None or not v.error:
+                    log(f"  {m.name} ({gid}): {'passes' if v else 'not judged'}: not stored")
+                    continue
+                if gid not in got:
+                    log(f"  {m.name} ({gid}): its probe sent nothing back ({v.error}): not stored")
+                    continue
+                fp = prints(gid, got[gid])
+                if gid not in again or distance(fp, prints(gid, again[gid])) > 1.0:
+                    log(f"  {m.name} ({gid}): other results when graded again: not stored")
+                    continue
+                if distance(fp, right[gid]) <= 1.0:
+                    log(f"  {m.name} ({gid}): the solution's results ({v.error}): not stored")
+                    continue
+                same = closest(fp, found[gid])
+                if same is not None:          # the feedback could not tell them apart
+                    log(f"  {m.name} ({gid}): the results of {same[0]}: not stored")
+                    continue
+                found[gid].append({"id": m.name, "message": m.message or m.mistake,
+                                   "section": m.section or sections.get(m.exercise, ""),
+                                   "fingerprint": fp})
+                log(f"  {m.name} ({gid}): stored ({v.error}, {len(str(fp))} characters)")
+    finally:
+        pool.close()
+    changed = []
+    for gid, cell in graded_cells(nb).items():
+        meta = cell.metadata.setdefault("mgpu_lab", {})
+        if meta.get(META, []) != found[gid]:
+            changed.append(gid)
+        if found[gid]:
+            meta[META] = found[gid]
+        else:
+            meta.pop(META, None)
+    if changed:
+        nbformat.write(nb, path)
+    return changed
+
+
 def _cmd_expects(args) -> int:
     if not args.notebooks:
         try:
@@ -155,6 +294,15 @@ def _cmd_expects(args) -> int:
             code = 1
             continue
         print(f"{path}: expects {'written for ' + ', '.join(changed) if changed else 'up to date'}")
+        if args.misconceptions:
+            try:
+                changed = write_misconceptions(path, args.timeout)
+            except (RuntimeError, FileNotFoundError) as err:
+                print(f"mgpu-lab labs expects: {err}", file=sys.stderr)
+                code = 1
+                continue
+            print(f"{path}: misconceptions "
+                  f"{'written for ' + ', '.join(changed) if changed else 'up to date'}")
     return code
 
 
@@ -311,6 +459,9 @@ def add_parser(subparsers) -> None:
     expects.add_argument("--root", type=Path, help="the course checkout (default: found from cwd)")
     expects.add_argument("--solutions", type=Path, help="default: ROOT/solutions")
     expects.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
+    expects.add_argument("--misconceptions", action="store_true",
+                         help="then grade each wrong mutant of the lab (tests/mutants) and store "
+                              "the fingerprint of its results, which the feedback names")
     expects.set_defaults(func=_cmd_expects)
     copy_ = sub.add_parser("copy", help="copy the lab notebooks into a folder, to work in "
                            "(adds labs it lacks; --update replaces older versions, keeping "

@@ -101,6 +101,24 @@ class Gradebook:
     def max_total(self) -> float:
         return sum(self.maxima.values())
 
+    def misconceptions(self) -> Dict[str, Dict[str, tuple]]:
+        """``{lab: {grade_id: (students counted for the lab, {misconception id: students
+        who showed it})}}`` over the notebooks that count, most shown first; only the
+        exercises where one was shown."""
+        out: Dict[str, Dict[str, tuple]] = {}
+        for lab in self.labs:
+            counted = [e.counted for s in self.students for l, e in self.entries[s].items() if l == lab]
+            found: Dict[str, Dict[str, int]] = {}
+            for g in counted:
+                for e in g.exercises:
+                    if e.misconception:
+                        mine = found.setdefault(e.grade_id, {})
+                        mine[e.misconception] = mine.get(e.misconception, 0) + 1
+            if found:
+                out[lab] = {gid: (len(counted), dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))))
+                            for gid, c in found.items()}
+        return out
+
     def counted_grades(self) -> List[NotebookGrade]:
         """Every notebook that counts, by student then lab."""
         return [self.entries[s][lab].counted for s in self.students

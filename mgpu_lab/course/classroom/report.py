@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from ..grading.misconceptions import label as label_of
 from .gradebook import as_gradebook
 
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -46,6 +47,7 @@ def markdown_safe(text) -> str:
     return re.sub(r"(?i)www\.", "www\\.", text)
 
 FEEDBACK_LIMIT = 300
+OUTCOME_LIMIT = 720  # an exercise's outcome: the failure (200) and the misconception it shows
 SHOWN = 400          # characters of a line that shows a path
 
 
@@ -95,7 +97,23 @@ def print_summary(grades, sandbox_line: str, file=None) -> None:
               f"{book.max_total * len(book.students):g} over {len(book.students)} students, "
               f"{counted} notebook(s) counted of {len(book.grades)} (policy {book.policy})"
               + (f"; {flags}" if flags else ""), file=file)
+    for line in misconception_lines(book):
+        print(line, file=file)
     print(sandbox_line, file=file)
+
+
+def misconception_lines(grades) -> List[str]:
+    """The class's known misconceptions, per lab and exercise: ``01 my_scatter: 2 of 30 —
+    tensor split always n chunks`` (of the students whose notebook for the lab counts)."""
+    book = as_gradebook(grades)
+    counts = book.misconceptions()
+    lines = ["misconceptions shown (students, of those who handed the lab in):"] if counts else []
+    for lab, per_exercise in counts.items():
+        label = lab_label(lab, book.labs)
+        for gid, (of, found) in per_exercise.items():
+            for name, n in found.items():
+                lines.append(printable(f"  {label} {gid}: {n} of {of} \u2014 {label_of(name)}", SHOWN))
+    return lines
 
 
 def _cell(g, maximum: float) -> str:
@@ -116,9 +134,10 @@ def print_details(grades, file=None) -> None:
         print(head, file=file)
         width = max([len("grade_id")] + [len(e.grade_id) for e in g.exercises])
         for e in g.exercises:
-            why = printable("" if not e.error else e.outcome())
+            why = printable("" if not e.error else f"{e.error}: {e.message}" if e.message else e.error)
+            known = f" [misconception: {printable(e.misconception, 80)}]" if e.misconception else ""
             print(f"    {e.grade_id:<{width}}  {e.score:4g}/{e.max_score:<4g}  "
-                  f"{why if len(why) <= 100 else why[:97] + '...'}", file=file)
+                  f"{why if len(why) <= 100 else why[:97] + '...'}{known}", file=file)
         for e in g.exercises:
             if e.observed:
                 print(f"    note: {e.grade_id} observes the kernel, not tamper-proof: "
@@ -148,7 +167,10 @@ def write_json(grades, path, sandbox_line: str) -> None:
                 for s in book.students}
     data = {"sandbox": sandbox_line, "policy": book.policy, "labs": book.maxima,
             "notebooks": [g.to_dict() for g in book.grades], "students": students,
-            "notices": book.notices}
+            "notices": book.notices,
+            "misconceptions": {lab: {gid: {"of": of, "students": dict(found)}
+                                     for gid, (of, found) in per.items()}
+                               for lab, per in book.misconceptions().items()}}
     Path(path).write_text(json.dumps(_valid_unicode(data), indent=2) + "\n", encoding="utf-8")
 
 
@@ -219,8 +241,8 @@ def feedback_text(student: str, lab: str, g) -> str:
     """A student's feedback for one notebook as plain text (no markup, nothing escaped but
     control characters): what :func:`write_feedback` says, for a platform that shows files
     as they are (Canvas's comments, :func:`.lms.write_canvas_feedback`)."""
-    def txt(text) -> str:
-        return printable(" ".join(str(text)[:FEEDBACK_LIMIT].split()))
+    def txt(text, limit=FEEDBACK_LIMIT) -> str:
+        return printable(" ".join(str(text)[:limit].split()))
     lines = [f"{txt(lab)}: {g.score:g} / {g.max_score:g}", "",
              f"Student: {txt(student)}", f"Notebook: {txt(Path(g.path).name)}", ""]
     if g.error:
@@ -229,15 +251,15 @@ def feedback_text(student: str, lab: str, g) -> str:
         names = [txt(e.title or e.grade_id) for e in g.exercises]
         width = max(len(n) for n in names)
         for name, e in zip(names, g.exercises):
-            lines.append(f"{name:<{width}}  {e.score:g} / {e.max_score:g}  {txt(e.outcome())}")
+            lines.append(f"{name:<{width}}  {e.score:g} / {e.max_score:g}  {txt(e.outcome(), OUTCOME_LIMIT)}")
         lines.append("")
     lines += [f"- {txt(n)}" for n in g.notes]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def _feedback(folder, student: str, lab: str, g) -> Path:
-    def md(text) -> str:
-        return markdown_safe(str(text)[:FEEDBACK_LIMIT])
+    def md(text, limit=FEEDBACK_LIMIT) -> str:
+        return markdown_safe(str(text)[:limit])
     lines = [f"# {md(lab)}: {g.score:g} / {g.max_score:g}", "",
              f"Student: {md(student)}  ", f"Notebook: {md(Path(g.path).name)}", ""]
     if g.error:
@@ -246,7 +268,7 @@ def _feedback(folder, student: str, lab: str, g) -> Path:
         lines += ["| exercise | points | result |", "|---|---|---|"]
         for e in g.exercises:
             lines.append(f"| {md(e.title or e.grade_id)} | {e.score:g} / {e.max_score:g} | "
-                         f"{md(e.outcome())} |")
+                         f"{md(e.outcome(), OUTCOME_LIMIT)} |")
         lines.append("")
     lines += [f"- {md(n)}" for n in g.notes]
     path = Path(folder) / _safe(student) / f"{_safe(lab)}.md"

@@ -248,7 +248,8 @@ def names_read(judge_source: str) -> set:
 
 def cases_of(cell) -> dict:
     """What graded cell ``cell`` (the instructor's) asks for, as the judge takes it:
-    ``{"expects", "free", "hidden"}``; ``{}`` for a cell without ``expects`` (nothing checked)."""
+    ``{"expects", "free", "hidden"}`` and, where the solution stores some, its known
+    ``misconceptions`` (:mod:`.misconceptions`: ids and fingerprints); ``{}`` for a cell without ``expects`` (nothing checked)."""
     from ..notebook import graded_cell
     from ..notebook.cells import course_meta
     from ..notebook.notebooks import BEGIN_HIDDEN, strip_solution
@@ -259,4 +260,7 @@ def cases_of(cell) -> dict:
     if BEGIN_HIDDEN in cell.source:
         seen = set(graded_cell.bound_names(graded_cell.split(strip_solution(cell.source)).probe))
         hidden = sorted(set(meta["expects"]) - seen)
-    return {"expects": dict(meta["expects"]), "free": list(meta.get("free", {})), "hidden": hidden}
+    from .misconceptions import of_cell
+    known = [{"id": m["id"], "fingerprint": m["fingerprint"]} for m in of_cell(cell)]
+    return {"expects": dict(meta["expects"]), "free": list(meta.get("free", {})), "hidden": hidden,
+            **({"misconceptions": known} if known else {})}

@@ -46,6 +46,7 @@ from ..notebook.exercises import lab_version, submitted_version, syntax_error, t
 from .guard import called_in, forbidden_of, notebook_violations
 from .hidden import WITHHELD, hidden_lines, shows_hidden, visible_line
 from .kernel import OOM_MESSAGE
+from .misconceptions import hint as misconception_hint
 from .sandbox import Limits, Sandbox
 from .scoring import (Evidence, ExerciseScore, NotebookGrade, brief, kernel_error, score,
                       verdict_text)
@@ -285,6 +286,9 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
         found.judged = True
         line = visible_line(cell.source, verdict.line)     # as the learner's copy numbers it
         found.verdict, found.verdict_message = verdict_text(verdict.error, verdict.message, line)
+        if verdict.error and verdict.misconception:
+            found.hint = misconception_hint(cell, verdict.misconception)
+            found.misconception = verdict.misconception if found.hint else None
         if verdict.error == "AssertionError" and verdict.line and shows_hidden(cell.source,
                                                                                verdict.line):
             found.verdict_message = f"check line {line} failed ({WITHHELD})"

@@ -237,19 +237,49 @@ def judge_answer(ns: dict, req: Judge) -> Reply:
             ns.pop(name, None)
             missing.append(name)
     cases = req.cases or {}
+    known = cases.get("misconceptions") if "expects" in cases else None
+    seen = _fingerprint(answer, missing, cases) if known else None   # before the check runs
     if "expects" in cases:              # exactly the names the solution sends, and their cases
         for name in set(answer) - set(cases["expects"]):
             ns.pop(name, None)
         problem = check_cases(cases["expects"], answer, cases.get("free", ()),
                               cases.get("hidden"), missing)
         if problem:
-            return Reply(False, CASES, problem[:VERDICT_LIMIT])
+            return _named(Reply(False, CASES, problem[:VERDICT_LIMIT]), seen, known)
     name = f"<judge of {req.id}>"
     try:
         _run(req.source, ns, name)
         return Reply(True)
     except BaseException as err:  # the verdict: any exception fails the check
-        return _failure(err, missing, name, req.source)
+        return _named(_failure(err, missing, name, req.source), seen, known)
+
+
+def _fingerprint(answer: dict, missing: List[str], cases: dict):
+    """The answer's fingerprint over the names the check reads (:mod:`.misconceptions`),
+    taken before the judge part runs (it may change the tensors it reads); None if it fails."""
+    from .misconceptions import could_match, fingerprint
+    try:
+        sent = {k: v for k, v in answer.items() if k not in missing}
+        if not could_match(sent, cases["expects"], cases.get("misconceptions")):
+            return None
+        return fingerprint(sent, cases["expects"], cases.get("free", ()))
+    except Exception:
+        return None
+
+
+def _named(reply: Reply, seen, known) -> Reply:
+    """A failed verdict with the known misconception its answer matches, if any (never a
+    failure of the grader's: out of memory, a judge error)."""
+    from .misconceptions import closest
+    if seen is None or reply.ok or reply.error == "JudgeError":
+        return reply
+    try:
+        found = closest(seen, known)
+    except Exception:
+        found = None
+    if found is not None:
+        reply.misconception = found[0]
+    return reply
 
 
 def serve(pipe, base: dict) -> int:

@@ -177,6 +177,7 @@ class Reply:
     line: Optional[int] = None     # where in the graded cell the check failed
     ship: Dict[str, str] = field(default_factory=dict)
     drop: List[str] = field(default_factory=list)
+    misconception: Optional[str] = None   # a failed check: the known one its answer matches
 
 
 KINDS = {cls.__name__: cls for cls in (Header, Need, Probe, Answer, Results, StartKernel,

@@ -10,7 +10,8 @@ decides (:data:`PRECEDENCE`):
 3. **the kernel's error**: the probe, or the learner's code it called, raised (or the
    cell timed out, the kernel died...);
 4. **the judge's verdict** on the probe's data (:mod:`mgpu_lab.course.grading.judge`): an
-   exception, or none, which scores the points.
+   exception, or none, which scores the points. A failed verdict whose answer matches a
+   known misconception (:mod:`mgpu_lab.course.grading.misconceptions`) names it.
 
 A failure of 3. or 4. is explained by the exercise's own cell when it says why
 (:attr:`Evidence.attempt`): an exercise left as the lab gave it is "NotAttempted", one
@@ -47,13 +48,16 @@ class ExerciseScore:
     message: str = ""
     observed: str = ""        # what the check observes inside the kernel (not tamper-proof)
     title: str = ""           # the exercise's title, from the notebook's heading
+    misconception: Optional[str] = None   # the known misconception its answer showed (an id)
+    hint: str = ""            # what the feedback says of it (:func:`.misconceptions.hint`)
 
     def outcome(self) -> str:
         """What every report says of it (feedback, Gradescope, PrairieLearn): "passed",
-        or the failure and its message."""
+        or the failure and its message, then the known misconception it shows."""
         if not self.error:
             return "passed"
-        return f"{self.error}: {self.message}" if self.message else self.error
+        said = f"{self.error}: {self.message}" if self.message else self.error
+        return f"{said} {self.hint}" if self.hint else said
 
 
 @dataclass
@@ -97,6 +101,8 @@ class Evidence:
     verdict_message: str = ""
     attempt: Optional[Tuple[str, str]] = None   # why the exercise failed, read from its cell:
                                            # ("NotAttempted" | "SyntaxError", message)
+    misconception: Optional[str] = None    # the judge's: the known misconception it matches
+    hint: str = ""                         # its words (the instructor's notebook's)
 
 
 # A check's message reaches the report, the feedback and the JSON whole up to this many
@@ -131,6 +137,10 @@ def score(grade_id: str, points: float, evidence: Evidence, observed: str = "") 
         error, message = evidence.error, evidence.message
     elif evidence.judged:
         error, message = evidence.verdict, evidence.verdict_message if evidence.verdict else ""
+        if error and evidence.misconception:         # the judge's verdict decides: name it
+            return ExerciseScore(grade_id, 0.0, float(points), error, brief(message or ""),
+                                 observed, misconception=evidence.misconception,
+                                 hint=evidence.hint)
     else:
         error, message = "NotJudged", "the probe sent nothing"
     return ExerciseScore(grade_id, 0.0 if error else float(points), float(points), error,

@@ -49,6 +49,7 @@ class Verdict:
     error: Optional[str] = None
     message: str = ""
     line: Optional[int] = None
+    misconception: Optional[str] = None   # the known misconception its answer matches
 
 
 @dataclass
@@ -213,7 +214,7 @@ def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
                 reply = judges.ask("verdict", prepared.graded[i], parts[i].judge, msg.names,
                                    msg.missing, cases.get(i))
                 out.verdicts[i] = Verdict(None if reply.ok else reply.error, reply.message,
-                                          reply.line)
+                                          reply.line, None if reply.ok else reply.misconception)
             except JudgeError as err:
                 out.verdicts[i] = Verdict("JudgeError", str(err))
         elif isinstance(msg, Results):

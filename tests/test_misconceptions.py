@@ -1,0 +1,195 @@
+"""Known misconceptions (mgpu_lab/course/grading/misconceptions.py): fingerprints match the
+same results within a tolerance, not others; the real grader names a wrong answer's
+misconception in its feedback; the class report counts them per exercise."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from mgpu_lab.course.classroom.report import (misconception_lines, print_summary, write_feedback,
+                                              write_json)
+from mgpu_lab.course.grading.misconceptions import closest, distance, fingerprint, hint
+from mgpu_lab.course.grading.scoring import ExerciseScore, NotebookGrade
+from mgpu_lab.course.notebook.cells import graded_cells, nbgrader_meta
+from mgpu_lab.course.notebook.notebooks import make_lab
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def _answer(scale=1.0, noise=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cases = [torch.randn(n, 3, generator=g) * scale for n in (1, 4, 7)]
+    if noise:
+        cases = [c * (1 + noise * torch.randn(c.shape, generator=g)) for c in cases]
+    return {"parts": cases, "count": [len(c) for c in cases], "ok": True,
+            "loss": float(cases[1].sum()), "half": cases[2].to(torch.bfloat16)}
+
+
+def test_the_same_results_match_and_float_noise_holds():
+    a = fingerprint(_answer())
+    assert distance(a, fingerprint(_answer())) == 0.0
+    assert distance(a, fingerprint(_answer(noise=1e-6))) <= 1.0     # another CPU's rounding
+
+
+def test_a_perturbed_result_does_not_match():
+    a = _answer()
+    for change in (lambda x: x["parts"][1].__setitem__((2, 1), x["parts"][1][2, 1] + 0.05),
+                   lambda x: x["count"].__setitem__(0, 2),
+                   lambda x: x.__setitem__("ok", False),
+                   lambda x: x["parts"].pop(),
+                   lambda x: x.__setitem__("loss", x["loss"] * 1.01),
+                   lambda x: x["parts"][0].__setitem__((0, 0), math.nan)):
+        b = _answer()
+        change(b)
+        assert distance(fingerprint(a), fingerprint(b)) > 1.0, change
+    # scaled down as a mean of means would: no match, whatever the norm
+    assert distance(fingerprint(a), fingerprint(_answer(scale=0.9))) > 1.0
+
+
+def test_closest_of_several_and_none_when_none_matches():
+    mine = fingerprint(_answer(noise=1e-7))
+    known = [{"id": "far", "fingerprint": fingerprint(_answer(scale=2.0))},
+             {"id": "near", "fingerprint": fingerprint(_answer())},
+             {"id": "broken", "fingerprint": "not json"}]
+    assert closest(mine, known)[0] == "near"
+    assert closest(mine, known[:1]) is None
+    assert closest(fingerprint(_answer(seed=1)), known) is None
+
+
+def test_a_fingerprint_is_small_whatever_the_tensors():
+    big = {"x": [torch.randn(1000, 1000) for _ in range(3)], "y": torch.arange(10**6)}
+    text = fingerprint(big)
+    assert len(text) < 600, len(text)
+    assert distance(text, fingerprint({"x": [t.clone() for t in big["x"]], "y": big["y"]})) == 0.0
+
+
+def test_free_paths_are_left_out():
+    a, b = {"plans": [1.0, 2.0], "x": 3}, {"plans": [5.0, 7.0], "x": 3}
+    assert distance(fingerprint(a, free=["plans[*]"]), fingerprint(b, free=["plans[*]"])) == 0.0
+    assert distance(fingerprint(a), fingerprint(b)) > 1.0
+
+
+def test_the_hint_is_bounded_and_names_the_section():
+    cell = nbformat.v4.new_code_cell("", metadata={"mgpu_lab": {"misconceptions": [
+        {"id": "m", "message": "x" * 1000, "section": "2. The ring " * 20, "fingerprint": "{}"}]}})
+    said = hint(cell, "m")
+    assert said.startswith("This looks like a known misconception: xxx") and len(said) < 400
+    assert "(see '2. The ring" in said
+    assert hint(cell, "other") == "" and hint(cell, None) == ""
+
+
+# --- through the real grader ------------------------------------------------------------
+
+LAB = "00_setup"
+
+
+def _with(mutant_name=None):
+    """Lab 00 as a learner hands it in: the solutions, one exercise replaced by a mutant."""
+    from mutants import all_mutants
+    sol = nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
+    nb = make_lab(sol)
+    m = next((m for m in all_mutants() if m.lab == LAB and m.name == mutant_name), None)
+    answers = {nbgrader_meta(c)["grade_id"]: c.source for c in sol.cells
+               if nbgrader_meta(c).get("solution")}
+    for cell in nb.cells:
+        gid = nbgrader_meta(cell).get("grade_id")
+        if nbgrader_meta(cell).get("solution") and gid in answers:
+            cell.source = m.make(answers[gid]) if m and m.exercise == gid else answers[gid]
+    return nb, m
+
+
+def test_the_student_lab_carries_no_misconception():
+    sol = nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
+    assert any("misconceptions" in c.metadata.get("mgpu_lab", {}) for c in graded_cells(sol).values())
+    lab = make_lab(sol)
+    assert not any("misconceptions" in c.metadata.get("mgpu_lab", {}) for c in lab.cells)
+    for path in sorted((ROOT / "labs").glob("*.ipynb")):      # as built
+        nb = nbformat.read(path, as_version=4)
+        assert not any("misconceptions" in c.metadata.get("mgpu_lab", {}) for c in nb.cells), path.name
+
+
+@pytest.mark.slow
+def test_a_wrong_answer_is_told_its_misconception_and_the_class_sees_it_counted(tmp_path, capsys):
+    from mgpu_lab.course.grading.grader import grade_notebook, load_solutions
+    labs = load_solutions(ROOT / "solutions")
+    grades = []
+    for student, name in (("ann", "mean_of_the_ranks_means"), ("bob", "mean_of_the_ranks_means"),
+                          ("cy", None)):
+        nb, m = _with(name)
+        nbformat.write(nb, tmp_path / f"{student}.ipynb")
+        grade = grade_notebook(tmp_path / f"{student}.ipynb", {LAB: labs[LAB]}, student)
+        grades.append(grade)
+        score = {e.grade_id: e for e in grade.exercises}
+        if m is None:
+            assert grade.score == grade.max_score and not any(e.misconception for e in grade.exercises)
+            continue
+        failed = [e for e in grade.exercises if e.error]
+        assert failed and all(e.misconception == m.name for e in failed), \
+            [(e.grade_id, e.error, e.message, e.misconception) for e in failed]
+        e = score["global_mean_test"]
+        assert e.score == 0 and "This looks like a known misconception: " in e.outcome()
+        assert m.mistake.rstrip(".")[:60] in e.outcome() and "(see '" in e.outcome()
+    lines = misconception_lines(grades)
+    assert any("global_mean_test: 2 of 3" in line and "mean of the ranks means" in line
+               for line in lines), lines
+    print_summary(grades, "sandbox: test")
+    assert "2 of 3" in capsys.readouterr().out
+    write_json(grades, tmp_path / "g.json", "sandbox: test")
+    data = json.loads((tmp_path / "g.json").read_text())
+    assert data["misconceptions"][LAB]["global_mean_test"] == {
+        "of": 3, "students": {"mean_of_the_ranks_means": 2}}
+    feedback = write_feedback(grades, tmp_path / "feedback")
+    ann = next(p for p in feedback if p.parent.name == "ann").read_text()
+    assert "This looks like a known misconception" in ann
+
+
+def test_the_report_counts_misconceptions_per_exercise_on_a_fake_class(tmp_path):
+    def grade(student, lab, found):
+        exercises = [ExerciseScore("ex1", 0.0 if found else 2.0, 2.0, "AssertionError" if found else None,
+                                   "sums differ", misconception=found,
+                                   hint=f"This looks like a known misconception: {found}." if found else "")]
+        return NotebookGrade(f"{student}.ipynb", f"{student}.ipynb", student, lab, exercises)
+    grades = [grade("s1", "04_ring", "running_sum_not_rebased"), grade("s2", "04_ring", None),
+              grade("s3", "04_ring", "running_sum_not_rebased"), grade("s4", "04_ring", "=cmd|' /C calc'!A0"),
+              grade("s5", "01_dp", None)]
+    lines = misconception_lines(grades)
+    assert lines[1] == "  04 ex1: 2 of 4 \u2014 running sum not rebased"
+    assert len(lines) == 3 and "01" not in " ".join(lines[1:])
+    feedback = write_feedback(grades, tmp_path)
+    text = next(p for p in feedback if p.parent.name == "s4").read_text()
+    assert "=cmd\\|" in text                # escaped as every text of the feedback
+
+
+def test_no_fingerprint_is_taken_of_an_answer_with_other_case_counts():
+    from mgpu_lab.course.grading.misconceptions import could_match
+    known = [{"id": "m", "fingerprint": fingerprint(_answer())}]
+    names = ["parts", "count", "ok", "loss", "half"]
+    assert could_match(_answer(), names, known)
+    longer = _answer()
+    longer["parts"] = longer["parts"] * 1000           # 3000 cases: not fingerprinted at all
+    assert not could_match(longer, names, known)
+    assert not could_match({"parts": 1}, names, known)
+
+
+def test_every_stored_misconception_is_a_wrong_mutant_of_its_exercise():
+    """A mutant renamed or removed leaves no misconception behind (rerun
+    ``mgpu-lab labs expects --misconceptions``)."""
+    from mutants import all_mutants
+    from mgpu_lab.course.grading.misconceptions import of_cell
+    from mgpu_lab.course.notebook.cells import exercise_of
+    mutants = {(m.lab, m.exercise, m.name) for m in all_mutants() if m.misconception}
+    stale = []
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        exercise = exercise_of(nb)
+        for gid, cell in graded_cells(nb).items():
+            for m in of_cell(cell):
+                if (path.stem, exercise.get(gid), m["id"]) not in mutants:
+                    stale.append(f"{path.stem} {gid}: {m['id']}")
+                assert len(m["fingerprint"]) < 64_000 and m.get("message"), (path.stem, gid, m["id"])
+    assert not stale, "misconceptions of no current wrong mutant:\n" + "\n".join(stale)
