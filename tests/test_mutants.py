@@ -424,6 +424,8 @@ def _check_crashed(e) -> bool:
 
 def _verdicts(plan, graded, lab):
     """``(kills, survivors, problems)`` of one lab's rounds."""
+    from mgpu_lab.course.grading.misconceptions import of_cell
+    stored = {g: {x["id"] for x in of_cell(c)} for g, c in graded_cells(solution(lab)).items()}
     kills, survivors, problems = [], [], []
     for name, (lab_, row) in plan.items():
         if lab_ != lab:
@@ -452,6 +454,11 @@ def _verdicts(plan, graded, lab):
                              and not (m.kind == "vacuity" and _check_crashed(e)) for e in got)
                 why = "; ".join(f"{e['grade_id']} {e['score']}/{e['max_score']} {e['error']}: "
                                 f"{(e['message'] or '')[:120]}" for e in got)
+                # a misconception the solution stores must be named in its feedback, not only scored 0
+                unnamed = [e["grade_id"] for e in got if m.misconception
+                           and m.name in stored.get(e["grade_id"], ()) and e.get("misconception") != m.name]
+                if killed and unnamed:
+                    killed, why = False, f"{why}; not named as misconception {m.name} in {unnamed}"
                 (kills if killed else survivors).append(f"{ex} {m.kind} {m.name}: {why}")
     return kills, survivors, problems
 

@@ -47,7 +47,7 @@ def markdown_safe(text) -> str:
     return re.sub(r"(?i)www\.", "www\\.", text)
 
 FEEDBACK_LIMIT = 300
-OUTCOME_LIMIT = 720  # an exercise's outcome: the failure (200) and the misconception it shows
+OUTCOME_LIMIT = 1400  # an exercise's outcome: the failure (1000) and the misconception it shows
 SHOWN = 400          # characters of a line that shows a path
 
 

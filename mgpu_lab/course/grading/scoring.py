@@ -138,7 +138,8 @@ def score(grade_id: str, points: float, evidence: Evidence, observed: str = "") 
     elif evidence.judged:
         error, message = evidence.verdict, evidence.verdict_message if evidence.verdict else ""
         if error and evidence.misconception:         # the judge's verdict decides: name it
-            return ExerciseScore(grade_id, 0.0, float(points), error, brief(message or ""),
+            return ExerciseScore(grade_id, 0.0, float(points), error,
+                                 brief(message or "", MESSAGE_LIMIT),
                                  observed, misconception=evidence.misconception,
                                  hint=evidence.hint)
     else:
