@@ -66,3 +66,20 @@ def test_lab11_tp_plans_judges_with_run_plans_numbers():
     for sc, row in zip(sizes, measured):
         for plan, got in zip(plans, row):
             assert ns["exact"](plan, sc) == got, (sc, plan)
+
+
+def test_lab11_tp_plans_scenarios_are_a_design_problem():
+    """Every scenario (A, B and the hidden ones) has a plan within both budgets, no plan is within every scenario's,
+    and in the hidden scenarios no plan's memory or traffic lies within 3 % of a budget (as the lab states)."""
+    ns = _graded("11_tensor_parallel", "tp_plans")
+    plans = [dict(zip(ns["CHOICES"], values)) for values in itertools.product(*ns["CHOICES"].values())]
+    scenarios = list(ns["SCENARIOS"].values()) + ns["hidden_scenarios"]
+    fits = []
+    for sc in scenarios:
+        costs = [ns["exact"](c, sc) for c in plans]
+        fits.append({i for i, (memory, sent) in enumerate(costs) if memory <= sc["memory"] and sent <= sc["sent"]})
+        assert fits[-1], sc
+        if sc in ns["hidden_scenarios"]:
+            margin = min(min(abs(m / sc["memory"] - 1), abs(s / sc["sent"] - 1)) for m, s in costs)
+            assert margin >= 0.03, (sc, margin)
+    assert not set.intersection(*fits), [plans[i] for i in set.intersection(*fits)]

@@ -40,6 +40,79 @@ def test_collective_log_sees_every_spelling_with_dtype_and_size():
     assert wire[("all-reduce", "float64")] == 2 * 6 * 8 // 2
 
 
+def _functional_and_c10d():
+    """Each collective in its functional spelling (what DTensor issues: the output is returned, an all-gather
+    given only its shard) and its c10d spelling, the same sizes; on rank 1, whose all-to-all receives more
+    than it sends."""
+    world, r = dist.group.WORLD, dist.get_rank()
+    x, big, small = torch.ones(1000), torch.ones(2000), torch.ones(500)
+    split_in, split_out = [1, 5], ([1, 1] if r == 0 else [5, 5])
+
+    def coalesced(*calls):
+        with dist._coalescing_manager(async_ops=True) as cm:
+            for call in calls:
+                call()
+        cm.wait()
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2,))
+    sharded = distribute_tensor(big, mesh, [Shard(0)])          # made outside the logs (it scatters)
+    pairs = {
+        "all-gather": (lambda: funcol.all_gather_tensor(x, 0, world) + 0,
+                       lambda: dist.all_gather_into_tensor(torch.empty(2000), x)),
+        "all-gather (DTensor)": (lambda: sharded.full_tensor() + 0,
+                                 lambda: dist.all_gather_into_tensor(torch.empty(2000), x)),
+        "reduce-scatter": (lambda: funcol.reduce_scatter_tensor(big, "sum", 0, world) + 0,
+                           lambda: dist.reduce_scatter_tensor(torch.empty(1000), big)),
+        "reduce-scatter (DTensor)": (
+            lambda: DTensor.from_local(big.clone(), mesh, [Partial()]).redistribute(mesh, [Shard(0)]).to_local() + 0,
+            lambda: dist.reduce_scatter_tensor(torch.empty(1000), big)),
+        "all-reduce": (lambda: funcol.all_reduce(x, "sum", world) + 0, lambda: dist.all_reduce(x.clone())),
+        "broadcast": (lambda: funcol.broadcast(x, 0, world) + 0, lambda: dist.broadcast(x.clone(), 0)),
+        "all-to-all": (lambda: funcol.all_to_all_single(big, None, None, world) + 0,
+                       lambda: dist.all_to_all_single(torch.empty(2000), big)),
+        "all-to-all, unequal": (
+            lambda: funcol.all_to_all_single(torch.ones(6, 3), split_out, split_in, world) + 0,
+            lambda: dist.all_to_all_single(torch.empty(sum(split_out), 3), torch.ones(6, 3), split_out, split_in)),
+        "all-gather, coalesced": (
+            lambda: [t + 0 for t in funcol.all_gather_into_tensor_coalesced([x, small], world)],
+            lambda: coalesced(lambda: dist.all_gather_into_tensor(torch.empty(2000), x),
+                              lambda: dist.all_gather_into_tensor(torch.empty(1000), small))),
+        "reduce-scatter, coalesced": (
+            lambda: [t + 0 for t in funcol.reduce_scatter_tensor_coalesced([big, x], "sum", [0, 0], world)],
+            lambda: coalesced(lambda: dist.reduce_scatter_tensor(torch.empty(1000), big),
+                              lambda: dist.reduce_scatter_tensor(torch.empty(500), x))),
+        "all-reduce, coalesced": (lambda: [t + 0 for t in funcol.all_reduce_coalesced([x, small], "sum", world)],
+                                  lambda: dist.all_reduce_coalesced([x.clone(), small.clone()])),
+    }
+    out = {}
+    for name, spellings in pairs.items():
+        logs = []
+        for call in spellings:
+            with CollectiveLog() as log:
+                call()
+            logs.append((log.events, log.wire_bytes(2)))
+        out[name] = logs
+    return out
+
+
+def test_functional_collectives_count_as_their_c10d_spelling():
+    """A functional all-gather is logged at its gathered size (DTensor's redistributions included), a coalesced
+    call at the sum of its tensors, an all-to-all at its larger side: each equal to its c10d spelling."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logged = launch(_functional_and_c10d, nprocs=2)[1]
+    want = {"all-gather": 2000, "all-gather (DTensor)": 2000, "reduce-scatter": 2000,
+            "reduce-scatter (DTensor)": 2000, "all-reduce": 1000, "broadcast": 1000, "all-to-all": 2000,
+            "all-to-all, unequal": 30, "all-gather, coalesced": 3000, "reduce-scatter, coalesced": 3000,
+            "all-reduce, coalesced": 1500}
+    for name, (functional, c10d) in logged.items():
+        assert functional == c10d, f"{name}: functional {functional}, c10d {c10d}"
+        assert [numel for _, _, numel in functional[0]] == [want[name]], f"{name}: {functional[0]}"
+
+
 def _stash_one():
     keep = []
     with KeptAlive() as watch:

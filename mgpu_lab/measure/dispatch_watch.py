@@ -8,9 +8,14 @@ watch needs no change and cannot skip them by calling another spelling of the
 same collective.
 
 * ``CollectiveLog`` records each collective as ``(kind, dtype, numel)``, kind one of
-  ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"broadcast"``... (the
-  largest tensor of the call gives dtype and numel: for the list forms, ``dist.all_gather``
-  and ``dist.reduce_scatter``, one element of the list), and with ``compute=True`` a
+  ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"broadcast"``... numel is the
+  size of the whole collective, the same for every spelling of it: an all-gather's gathered
+  output, a reduce-scatter's unreduced input, an all-reduce's or a broadcast's tensor, an
+  all-to-all's larger side; for the list forms (``dist.all_gather``, ``dist.reduce_scatter``)
+  one element of the list, and for the coalesced forms the sum over the tensors they carry.
+  The functional collectives that DTensor issues (``_c10d_functional``) return their output
+  rather than receive it: an all-gather there is given its shard and the group's size, and
+  its numel is their product. With ``compute=True`` a
   ``("compute",)`` entry for each matrix product, so that the order of
   communication and computation can be read (prefetching)::
 
@@ -49,11 +54,37 @@ KINDS = {
     "reduce_scatter_tensor_coalesced": "reduce-scatter",
     "allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce", "all_reduce": "all-reduce",
     "all_reduce_coalesced": "all-reduce",
+    "all_reduce_": "all-reduce", "all_reduce_coalesced_": "all-reduce",
+    "all_gather_into_tensor_out": "all-gather", "reduce_scatter_tensor_out": "reduce-scatter",
     "broadcast_": "broadcast", "broadcast": "broadcast", "reduce_": "reduce", "gather_": "gather",
     "scatter_": "scatter", "alltoall_": "all-to-all", "alltoall_base_": "all-to-all", "all_to_all_single": "all-to-all",
 }
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 COMPUTE = ("mm", "addmm", "bmm", "baddbmm")
+# coalesced forms: one call carries several tensors (c10d: the outputs of an all-gather, the inputs of a
+# reduce-scatter), the collective's size is their sum
+COALESCED = {"allgather_into_tensor_coalesced_": 0, "reduce_scatter_tensor_coalesced_": 1, "allreduce_coalesced_": 0,
+             "all_gather_into_tensor_coalesced": 0, "reduce_scatter_tensor_coalesced": 0,
+             "all_reduce_coalesced": 0, "all_reduce_coalesced_": 0}
+
+
+def _numel(func, args, kwargs, tensors) -> Tuple[torch.dtype, int]:
+    """(dtype, numel) of the whole collective ``func(*args, **kwargs)``: see the module's docstring."""
+    name, functional = func._opname, func.namespace == "_c10d_functional"
+    if name in COALESCED:
+        group = [t for t in tree_leaves(args[COALESCED[name]]) if isinstance(t, torch.Tensor)]
+        numel = sum(t.numel() for t in group)
+        if functional and name == "all_gather_into_tensor_coalesced":
+            numel *= args[1]                       # inputs are the shards: the gathered outputs are group_size times
+        return group[0].dtype, numel
+    if functional and name == "all_gather_into_tensor":     # (input, group_size, group_name): no output given
+        return args[0].dtype, args[0].numel() * args[1]
+    if functional and name == "all_to_all_single":          # (input, output_split_sizes, input_split_sizes, group)
+        x, out_splits = args[0], args[1]
+        out = sum(out_splits) * (x.numel() // x.shape[0]) if out_splits and x.dim() else x.numel()
+        return x.dtype, max(x.numel(), int(out))
+    big = max(tensors, key=lambda t: t.numel())
+    return big.dtype, big.numel()
 
 
 class CollectiveLog(MeasuringMode):
@@ -70,10 +101,9 @@ class CollectiveLog(MeasuringMode):
         name = func._opname
         if func.namespace in COLLECTIVE_NAMESPACES:
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            if tensors:  # wait_tensor and friends carry the tensor of a call already recorded
-                big = max(tensors, key=lambda t: t.numel())
-                if name in KINDS:
-                    self.events.append((KINDS[name], str(big.dtype).replace("torch.", ""), big.numel()))
+            if tensors and name in KINDS:  # wait_tensor and friends carry the tensor of a call already recorded
+                dtype, numel = _numel(func, args, kwargs, tensors)
+                self.events.append((KINDS[name], str(dtype).replace("torch.", ""), numel))
         elif self.compute and name in COMPUTE:
             self.events.append(("compute",))
         return func(*args, **kwargs)
@@ -84,7 +114,7 @@ class CollectiveLog(MeasuringMode):
 
     def wire_bytes(self, world_size: int) -> dict:
         """``{(kind, dtype): bytes}`` one rank sends over a ring, *computed*: (N-1)/N of each
-        collective's largest tensor (an all-reduce twice that). What the sockets carried is
+        collective's size (an all-reduce twice that). What the sockets carried is
         measured by :class:`mgpu_lab.measure.wire.WireMeter`."""
         out: dict = {}
         for e in self.events:

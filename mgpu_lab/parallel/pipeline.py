@@ -17,12 +17,17 @@ several. Gradients are those of the mean loss over the batch: the last stage sca
 micro-batch k's loss by its share of the batch, ``n_k / B``, before its backward (``1/m``
 when the micro-batches are equal; a batch of 10 in 4 is cut 3, 3, 2, 2 by
 ``torch.tensor_split``, and weighted 0.3, 0.3, 0.2, 0.2). torch's ``scale_grads=True``
-divides the gradients by m after the step instead: the same numbers for equal
-micro-batches, except that torch's also divides gradients accumulated before the step,
-and under a loss scaler it divides scaled gradients; for unequal ones torch gives the
-mean of the micro-batch means (torch 2.13's ``ScheduleGPipe``, a batch of 10 in 4: a
-gradient off by 0.07 from the batch's, where these schedules agree to 3e-8;
-``tests/test_pipeline.py``).
+divides the gradients by m after the step instead: the same numbers, up to rounding,
+for equal micro-batches, except that torch's also divides gradients accumulated before
+the step, and that until its division the gradients add up to m times the mean's (under
+a loss scaler, with gradients stored in fp16, the sum can overflow where the mean
+would not). torch's multi-stage schedules need equal micro-batches: in torch 2.13 a
+stage receives into buffers shaped by the first micro-batch (``ScheduleGPipe`` and
+``Schedule1F1B`` on 2 stages: a batch of 10 in 4 stops with a size mismatch;
+``ScheduleGPipe`` on 5 in 3 runs its last micro-batch with a stale row, then fails in
+the backward). On one stage unequal micro-batches run, and torch gives the mean
+of the micro-batch means (a batch of 10 in 4: a gradient off by 0.07 from the batch's,
+where these schedules agree to 3e-8; ``tests/test_pipeline.py``).
 """
 from __future__ import annotations
 
