@@ -1,10 +1,11 @@
-"""CollectiveLog and KeptAlive (mgpu_lab.measure.dispatch_watch): the collectives issued, what stays alive."""
+"""CollectiveLog, HeldAtOnce and KeptAlive (mgpu_lab.measure.dispatch_watch): the collectives issued, the bytes
+held at once, what stays alive."""
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from mgpu_lab import launch
-from mgpu_lab.measure.dispatch_watch import CollectiveLog, KeptAlive
+from mgpu_lab.measure.dispatch_watch import CollectiveLog, HeldAtOnce, KeptAlive
 
 
 def _every_spelling():
@@ -130,6 +131,23 @@ def _stash_one():
 def test_kept_alive_finds_what_is_referenced_not_what_was_freed():
     kept, *_ = _stash_one()
     assert kept == sorted([((100,), 400), ((100,), 400), ((50,), 200)])  # a, a * 2, the view's base
+
+
+def test_held_at_once_counts_storages_from_made_to_freed():
+    before = torch.ones(100)
+    with HeldAtOnce() as held:
+        a = torch.ones(100)            # 400 bytes
+        b = a * 2                      # 800 held
+        del a                          # 400
+        c = torch.ones(150)            # 1000: the peak
+        c[:2].add_(1)                  # a view and an in-place result: nothing new
+        before.t().mul_(2)             # the same, of a storage made before
+        d = before + 1                 # 1400 for a moment
+        del d
+        e = (b * 2).sum()              # 1000 + 400 + 4 while the sum is made (the peak), then b * 2 is freed
+    assert (held.peak, held.held) == (1404, 1004)
+    del b
+    assert held.held == 604
 
 
 def test_kept_alive_waits_for_a_thread_that_lets_go_and_reports_what_stays():

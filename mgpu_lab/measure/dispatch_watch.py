@@ -23,6 +23,11 @@ same collective.
           loss.backward()
       log.kinds()            # ['all-gather', 'reduce-scatter', ...]
 
+* ``HeldAtOnce`` follows the storages made while it is active from their creation until
+  they are freed: ``peak`` is the most bytes they held at one time (what a forward and a
+  backward need at once, saved tensors and transient ones together), ``held`` the bytes
+  still held now.
+
 * ``KeptAlive`` is :mod:`mgpu_lab.measure.kept_alive`'s recorder as a ``with`` block:
   ``kept(min_bytes)`` lists the storages made while it was active, of at least
   ``min_bytes``, that are still referenced afterwards (saved for backward, stashed in
@@ -36,13 +41,15 @@ holding tensors it did not get from an operator) is not seen.
 from __future__ import annotations
 
 import gc
+import threading
 import time
-from typing import List, Tuple
+import weakref
+from typing import Dict, List, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .kept_alive import Recorder
+from .kept_alive import Recorder, _storage
 from .measuring_mode import MeasuringMode
 
 KINDS = {
@@ -151,3 +158,58 @@ class KeptAlive(Recorder):
             if not rows or time.monotonic() >= deadline:
                 return rows
             time.sleep(0.02)
+
+
+class HeldAtOnce(MeasuringMode):
+    """The bytes held at once by the storages made while active: ``peak`` the most at any
+    time, ``held`` now.
+
+    A storage counts from the operator that makes it until it is freed (a weak reference's
+    finalizer: no reference left, in Python or in C++), at its size when made. Not counted:
+    storages that existed before (inputs, parameters, and the views and in-place results of
+    operators on them). A storage that a backend's thread still references for a moment
+    after a collective returns counts until that thread lets go (gloo does so just after the
+    call), so compare peaks of code that communicates alike, not to the byte."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = 0
+        self.peak = 0
+        self._lock = threading.RLock()   # a finalizer may run inside the block that holds it
+        self._made: Dict[tuple, Tuple[weakref.ref, int]] = {}   # key -> (storage, bytes) of the live ones
+        self._before: Dict[tuple, weakref.ref] = {}
+
+    @staticmethod
+    def _alive(entry) -> bool:
+        return entry is not None and (entry[0] if isinstance(entry, tuple) else entry)() is not None
+
+    def _freed(self, key, token) -> None:
+        with self._lock:
+            entry = self._made.get(key)
+            if entry is not None and entry[0] is token:    # not a newer storage at the same address
+                del self._made[key]
+                self.held -= entry[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                found = _storage(t)
+                if found and not self._alive(self._made.get(found[0])):
+                    self._before[found[0]] = weakref.ref(found[1])
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                found = _storage(t)
+                if found is None:
+                    continue
+                key, s = found
+                with self._lock:
+                    if self._alive(self._before.get(key)) or self._alive(self._made.get(key)):
+                        continue   # a view or an in-place result of memory already known
+                    token, n = weakref.ref(s), s.nbytes()
+                    self._made[key] = (token, n)
+                    self.held += n
+                    self.peak = max(self.peak, self.held)
+                weakref.finalize(s, self._freed, key, token)
+        return out

@@ -15,14 +15,17 @@ dropped for a second choice) — and each expert keeps the first C it is given.
 ``capacity_factor=None``: no limit, nothing dropped.
 
 **Load balance.** A router left alone sends most tokens to a few experts (which then learn
-faster and attract more). The auxiliary loss of Switch Transformer / GShard,
+faster and attract more). The auxiliary loss of Switch Transformer,
 
     aux_loss = E * sum_e f_e * P_e,
 
 with ``f_e`` the fraction of the T*k assignments that chose expert e (counted before
 capacity; no gradient) and ``P_e`` the mean router probability of e (softmax over all E
 logits; differentiable), is 1 for a perfectly balanced router and grows as the router
-concentrates: add ``alpha * aux_loss`` (alpha ~ 0.01) to the training loss.
+concentrates: add ``alpha * aux_loss`` (alpha ~ 0.01) to the training loss. Switch routes
+to one expert (k = 1); f over all T*k assignments for k > 1 is Megatron-LM's
+``switch_load_balancing_loss_func``. GShard's top-2 loss counts each token's first choice
+only (DeepSpeed's ``top2gating``: ``ce = mean(mask1)``, before capacity).
 (Hugging Face's Mixtral loss is k times this: it normalises f by T instead of T*k.)
 """
 from __future__ import annotations

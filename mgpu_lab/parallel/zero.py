@@ -18,8 +18,11 @@ gives each rank an optimizer over its own partition only:
 
 Memory per rank: parameters Ψ and gradients Ψ as before, optimizer state K·Ψ/N.
 Communication per step: the all-reduce (2Ψ·(N-1)/N sent per rank) plus Ψ·(N-1)/N
-for the broadcasts; the ZeRO paper gets 2Ψ in total by replacing the all-reduce
-with a reduce-scatter (ZeRO-2, each rank only needs its own gradients).
+for the broadcasts, 3Ψ: the all-reduce is kept so that this optimizer sits behind
+any DDP. The ZeRO paper counts 2Ψ for stage 1 and stage 2 alike (§7.2.1): a
+reduce-scatter of the gradients (an owner needs only its own) and an all-gather of
+the parameters. What stage 2 adds is memory: each rank keeps only the gradients
+it owns (Ψ/N).
 
 ``ShardedOptimizer`` behaves as torch's ``ZeroRedundancyOptimizer``: it is a
 ``torch.optim.Optimizer`` whose ``param_groups`` list every parameter and carry

@@ -108,6 +108,24 @@ def all_reduces_every_gradient_as_ddp_does(solution):
     """)
 
 
+# Review B's shortcut: every number the check compares is right (weights, the owners' averaged gradients, AdamW's
+# state); only the collectives it issued (CollectiveLog in the ranks) show that it is ZeRO-1 behind an all-reduce.
+@mutant("ex2_sharded_step", "wrong")
+def all_reduces_then_drops_what_it_does_not_own(solution):
+    "per parameter: all-reduce, divide, drop the gradient unless owned; local step; one broadcast per parameter"
+    return body(solution, """
+        with torch.no_grad():
+            for p, o in zip(params, owner):
+                dist.all_reduce(p.grad)
+                p.grad /= world
+                if o != rank:
+                    p.grad = None
+            local_optimizer.step()
+            for p, o in zip(params, owner):
+                dist.broadcast(p.data, src=o)
+    """)
+
+
 @mutant("ex2_sharded_step", "reference")
 def shares_with_sharded_optimizers_code(solution):
     "ShardedOptimizer's own _share_parameters, called on a stand-in object, after a step on unaveraged gradients"

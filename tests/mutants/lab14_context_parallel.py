@@ -113,6 +113,50 @@ def sdpa_kept_in_a_list(solution):
     """)
 
 
+# Review B's shortcut: every value is right and only point-to-point messages are sent, but a rank holds the whole
+# sequence's keys and values (and full-length key/value gradients): only the memory held at once (HeldAtOnce, which
+# grows with the ranks) rejects it.
+@mutant("window_ring_attention", "wrong")
+def gathers_by_ring_passes(solution):
+    "k and v gathered by N-1 ring passes and kept, a masked softmax with local autograd, full-length dK, dV ring-reduced"
+    return prepend(swap(solution, "return WindowRingAttention.apply(q, k, v, window)",
+                        "return _Gathered.apply(q, k, v, window)"), """
+        def _attend(q, k_all, v_all, window):
+            rank, s = dist.get_rank(), q.shape[-2]
+            q_pos, k_pos = rank * s + torch.arange(s), torch.arange(k_all.shape[-2])
+            band = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+            scores = (q @ k_all.transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(~band, float("-inf"))
+            return scores.softmax(-1) @ v_all
+
+
+        class _Gathered(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, window):
+                rank, n = dist.get_rank(), dist.get_world_size()
+                ks, vs, kv = [None] * n, [None] * n, [k, v]
+                for step in range(n):
+                    ks[(rank - step) % n], vs[(rank - step) % n] = kv
+                    if step < n - 1:
+                        kv = ring_pass(kv)()
+                k_all, v_all = torch.cat(ks, 2), torch.cat(vs, 2)
+                ctx.save_for_backward(q, k_all, v_all)
+                ctx.window = window
+                return _attend(q, k_all, v_all, window)
+
+            @staticmethod
+            def backward(ctx, dout):
+                rank, n = dist.get_rank(), dist.get_world_size()
+                q, k_all, v_all = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+                with torch.enable_grad():
+                    dq, dk, dv = torch.autograd.grad(_attend(q, k_all, v_all, ctx.window), (q, k_all, v_all), dout)
+                total = [dk, dv]
+                for _ in range(n - 1):
+                    total = [got + mine for got, mine in zip(ring_pass(total)(), (dk, dv))]
+                s = q.shape[-2]
+                return dq, total[0][:, :, rank * s:(rank + 1) * s], total[1][:, :, rank * s:(rank + 1) * s], None
+    """)
+
+
 @mutant("window_ring_attention", "tamper")
 def redefines_run_window(solution):
     "a run_window of its own reporting no collective, around the gathered attention"
