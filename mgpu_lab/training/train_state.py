@@ -172,6 +172,7 @@ class TrainState:
         (``path.1``, ...). ``sharded=True``: a folder ``path`` in which each rank writes its pieces (a new
         generation, switched to atomically). A failure raises :class:`CheckpointError`."""
         path = self._where(path)
+        _check_path(path, self.sharded)  # a folder, "": refused before any collective, on every rank
         if not self.sharded:
             state = self.state_dict()
             if rank_and_world_size()[0] == 0:
@@ -359,14 +360,14 @@ def _dcp_failure() -> type:
 def _check_path(path: str, sharded: bool) -> None:
     """Refuse a ``path=`` that no save could use, naming why (every rank: no file system access beyond a stat)."""
     if path == "":
-        raise ValueError("TrainState(path=''): an empty path; give a file name such as 'ckpt.pt'"
+        raise ValueError("TrainState path='': an empty path; give a file name such as 'ckpt.pt'"
                          + (" (sharded=True: a folder name)" if sharded else ""))
     if not sharded and os.path.isdir(path):
-        raise ValueError(f"TrainState(path={path!r}): that is a folder, and a one-file checkpoint is a file: give a "
+        raise ValueError(f"TrainState path={path!r}: that is a folder, and a one-file checkpoint is a file: give a "
                          f"file name inside it (e.g. {os.path.join(path, 'ckpt.pt')!r}), or sharded=True to save "
                          "a folder of generations there (a sharded checkpoint loads with load(folder) too)")
     if sharded and os.path.isfile(path):
-        raise ValueError(f"TrainState(path={path!r}, sharded=True): that is a file (a one-file checkpoint?), and a "
+        raise ValueError(f"TrainState path={path!r} (sharded=True): that is a file (a one-file checkpoint?), and a "
                          "sharded checkpoint is a folder: give a folder name (a file loads with load(file))")
 
 
