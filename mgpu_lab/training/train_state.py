@@ -233,7 +233,7 @@ class TrainState:
                                   cause=failures[0][2].cause) from failures[0][2].__cause__ or failures[0][2]
         if failures:
             self._set_aside(failures, where, generation, state.get("step"))
-        elif not sharded and candidates[0][0] != path:
+        elif not sharded and candidates[0][0] != path and not os.path.exists(path + ".unreadable"):
             warnings.warn(f"TrainState.load: {path} is missing (a save was cut short between two renames); "
                           f"loaded {where} ({generation}, step {state.get('step')})", stacklevel=2)
         try:
