@@ -51,7 +51,12 @@ def test_keep_n_generations_and_fall_back_past_a_truncated_newest(tmp_path):
         assert fresh.load()
     assert fresh.step == 2
     assert all(torch.equal(fresh.model.state_dict()[k], w) for k, w in weights[2].items())
-    os.unlink(path)                                             # cut short between two renames: no newest
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt.1", "ckpt.pt.unreadable"]   # set aside by the load
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # said once, by the load that set it aside
+        assert trained_state(path, keep=2).load()
+    os.unlink(path + ".unreadable")                             # as after a save cut short between two renames
     with pytest.warns(UserWarning, match=r"ckpt\.pt is missing.*loaded .*ckpt\.pt\.1"):
         assert trained_state(path, keep=2).load()
 
@@ -159,3 +164,120 @@ def test_a_read_only_folder_fails_when_the_state_is_created(tmp_path):
     ro.mkdir(mode=0o555)
     with pytest.raises(CheckpointError, match=r"permission denied"):
         trained_state(str(ro / "ckpt.pt"))
+
+
+def test_an_unreadable_generation_is_set_aside_and_never_takes_a_good_ones_place(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    state = trained_state(path, keep=3)
+    for _ in range(3):
+        step(state)
+        state.save()                                            # steps 3, 2, 1 in ckpt.pt, .1, .2
+    truncate(path)
+    fresh = trained_state(path, keep=3)
+    with pytest.warns(UserWarning, match=r"ckpt\.pt \(newest generation\) is unreadable.*step 2\) instead\. "
+                                         r"Set aside as .*ckpt\.pt\.unreadable.*keep does not count it"):
+        assert fresh.load() and fresh.step == 2
+    step(fresh)
+    fresh.save()                                                # step 3 again: the good steps 2 and 1 stay
+    assert [load_checkpoint(f"{path}{s}")["step"] for s in ("", ".1", ".2")] == [3, 2, 1]
+    assert os.path.exists(path + ".unreadable")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # said once: the next load finds nothing to pass over
+        assert trained_state(path, keep=3).load()
+
+
+def test_a_flipped_byte_is_found_by_its_checksum_and_falls_back(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    state = trained_state(path, keep=2)
+    for _ in range(2):
+        step(state)
+        state.save()
+    import zipfile
+    assert zipfile.ZipFile(path).comment.startswith(b"mgpu_lab-sha256:")   # still a zip torch.load reads
+    assert torch.load(path, weights_only=True)["step"] == 2
+    data = bytearray(open(path, "rb").read())
+    weight = state.model[1].weight.detach().numpy().tobytes()
+    at = data.find(weight)
+    assert at > 0
+    data[at + 5] ^= 0x10                                        # inside a weight tensor, same size
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"corrupt \(its checksum differs"):
+        load_checkpoint(path)
+    fresh = trained_state(path, keep=2)
+    with pytest.warns(UserWarning, match=r"ckpt\.pt \(newest generation\) is unreadable: corrupt \(its checksum "
+                                         r"differs.*loaded .*ckpt\.pt\.1 \(1 before the newest, step 1\)"):
+        assert fresh.load() and fresh.step == 1
+
+
+def test_a_flipped_byte_in_a_sharded_generation_falls_back(tmp_path):
+    folder = str(tmp_path / "sharded")
+    state = trained_state(folder, sharded=True, keep=2)
+    for _ in range(2):
+        step(state)
+        state.save()
+    newest = sharded_checkpoint.generations(folder)[0]
+    shard = glob.glob(f"{newest}/*.distcp")[0]
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(shard, "wb").write(bytes(data))
+    fresh = trained_state(folder, sharded=True, keep=2)
+    with pytest.warns(UserWarning, match=r"step-00000002.*unreadable: corrupt \(its checksum differs.*loaded "
+                                         r".*step-00000001.*Set aside as .*step-00000002-\w+\.unreadable"):
+        assert fresh.load() and fresh.step == 1
+    step(fresh)
+    fresh.save()                                                # the set-aside folder is not a generation
+    assert [os.path.basename(g)[:13] for g in sharded_checkpoint.generations(folder)] == ["step-00000002",
+                                                                                          "step-00000001"]
+    assert trained_state(folder, sharded=True, keep=2).load()
+
+
+def test_keep_1_unreadable_advice_is_said_once_and_agrees(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    trained_state(path).save()
+    truncate(path)
+    with pytest.raises(CheckpointError, match=r"none readable.*What to do: restore a copy, or start afresh") as info:
+        trained_state(path).load()
+    chain, e = [], info.value.__cause__
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    assert chain and not any(isinstance(e, CheckpointError) or "What to do" in str(e) for e in chain)
+    assert os.path.exists(path)                                # nothing set aside when nothing loaded
+
+
+@pytest.mark.parametrize("kind", ["a folder", "empty", "/proc"])
+def test_a_path_no_save_could_use_is_refused_when_the_state_is_created(tmp_path, kind):
+    if kind == "/proc" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    path, words, error = {"a folder": (str(tmp_path), r"is a folder.*give a file name inside it.*sharded=True",
+                                       ValueError),
+                          "empty": ("", r"an empty path", ValueError),
+                          "/proc": ("/proc/ckpt.pt", r"the folder exists, but its file system creates no files",
+                                    CheckpointError)}[kind]
+    with pytest.raises(error, match=words):
+        trained_state(path)
+    if error is ValueError:                                     # given to save() instead: the same words
+        with pytest.raises(error, match=words):
+            TrainState(net()).save(path)
+    if kind == "a folder":
+        trained_state(str(tmp_path), sharded=True)            # a folder of generations: fine
+        open(tmp_path / "f.pt", "wb").close()
+        with pytest.raises(ValueError, match=r"that is a file.*sharded checkpoint is a folder"):
+            trained_state(str(tmp_path / "f.pt"), sharded=True)
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 4])
+def test_rotation_keeps_the_newest_in_order_whatever_numbers_are_missing(tmp_path, keep):
+    from mgpu_lab.training import generations
+    for mask in range(32):
+        folder = tmp_path / f"{mask}"
+        folder.mkdir()
+        path = str(folder / "c")
+        present = [n for i, n in enumerate([path] + [f"{path}.{i}" for i in range(1, 5)]) if mask >> i & 1]
+        for name in present:
+            open(name, "w").write(name)
+        generations.rotate(path, keep)
+        after = {str(folder / n): open(folder / n).read() for n in os.listdir(folder)}
+        assert after.pop(path, None) == (path if path in present else None)   # replaced by the rename, not before
+        assert after == {f"{path}.{i + 1}": present[i] for i in range(min(len(present), keep - 1))}, present

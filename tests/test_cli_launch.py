@@ -83,6 +83,12 @@ def test_a_port_in_use_is_refused_with_advice():
     assert f"port {port} on 127.0.0.1 is already in use" in err and "--master-port" in err
 
 
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_no_processes_per_node_is_refused(n):  # 0 once fell back to the default (2) silently
+    code, out, err = finish(mgpu_lab("launch", "--dry-run", "--nproc-per-node", n, TRAIN))
+    assert code != 0 and "--nproc-per-node must be >= 1" in err and "torchrun" not in out
+
+
 def test_several_nodes_need_node_rank_and_master_addr():
     code, _, err = finish(mgpu_lab("launch", "--nnodes", "2", TRAIN))
     assert code != 0 and "--node-rank" in err and "--master-addr" in err

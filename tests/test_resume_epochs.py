@@ -231,3 +231,22 @@ def test_a_plain_loader_with_workers_resumes_bit_for_bit(tmp_path, stop):
     resumed = _one_process_run(str(tmp_path / "cut.pt"), None)
     assert all(torch.equal(a, b) for a, b in zip(full[0], resumed[0]))
     assert torch.equal(full[1], resumed[1])
+
+
+def test_a_batch_plans_dropped_samples_are_said_once_with_the_count():
+    import warnings
+    for global_batch, dropped in ((32, (4, 4)), (33, (15, 20))):     # 100 samples per rank
+        plan = batch_plan(global_batch=global_batch, dp_size=2, micro_batch=8)
+        for rank in (0, 1):
+            batches = plan.batch_sampler(range(100), rank=rank)
+            said = (rf"rank {rank} reads {100 - dropped[rank]} of its sampler's 100 samples per epoch.*"
+                    rf"the last {dropped[rank]} are dropped each epoch")
+            with pytest.warns(UserWarning, match=said):
+                read = sum(len(b) for b in batches)
+            assert read == 100 - dropped[rank]
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")                      # once
+                list(batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                              # nothing dropped: no word
+        list(batch_plan(global_batch=20, dp_size=2, micro_batch=5).batch_sampler(range(100), rank=1))

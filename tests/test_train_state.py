@@ -392,3 +392,55 @@ def test_a_sharded_checkpoint_survives_a_crash_mid_save(tmp_path, monkeypatch):
     for name, w in saved.items():
         assert torch.equal(fresh.state_dict()[name], w), name
     assert again.optimizer.state_dict()["state"]
+
+
+def _rank0_save_fails(folder):
+    import errno
+    from mgpu_lab.training import checkpoint_file, sharded_checkpoint
+    rank = dist.get_rank()
+    out = {}
+    for kind in ("file", "sharded"):
+        state = TrainState(DDP(torch.nn.Linear(2, 2)), path=f"{folder}/{kind}", sharded=kind == "sharded", keep=2)
+        module = checkpoint_file if kind == "file" else sharded_checkpoint
+        real = module.write_atomically
+        if rank == 0:
+            def full(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            module.write_atomically = full
+        try:
+            state.save()
+            out[kind] = "saved"
+        except Exception as exc:
+            out[kind] = (type(exc).__name__, str(exc))
+        module.write_atomically = real
+        state.save()                                   # the group is still usable
+    # two generations, the newest truncated by rank 0: every rank falls back, rank 0 sets it aside, warns once
+    state = TrainState(DDP(torch.nn.Linear(2, 2)), path=f"{folder}/gen.pt", keep=2)
+    for _ in range(2):
+        state.step += 1
+        state.save()
+    if rank == 0:
+        data = open(f"{folder}/gen.pt", "rb").read()
+        open(f"{folder}/gen.pt", "wb").write(data[:len(data) // 2])
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh = TrainState(DDP(torch.nn.Linear(2, 2)), path=f"{folder}/gen.pt", keep=2)
+        out["loaded"] = (fresh.load(), fresh.step, [str(w.message) for w in caught if "unreadable" in str(w.message)])
+    return out
+
+
+def test_every_rank_raises_checkpoint_error_when_rank_0s_save_fails(tmp_path):
+    results = launch(_rank0_save_fails, nprocs=2, args=(str(tmp_path),), timeout=120)
+    for kind in ("file", "sharded"):
+        (type0, text0), (type1, text1) = results[0][kind], results[1][kind]
+        assert type0 == type1 == "CheckpointError", (text0, text1)
+        assert "out of disk space" in text0
+        assert text1.startswith(f"rank 1: TrainState.save(") and "rank 0's save failed (see its error" in text1
+        assert "out of disk space" in text1 and "died or left" not in text1
+    (ok0, step0, said0), (ok1, step1, said1) = results[0]["loaded"], results[1]["loaded"]
+    assert ok0 and ok1 and step0 == step1 == 1
+    assert len(said0) == 1 and "is now" not in said0[0] and "Set aside as" in said0[0] and said1 == []
+    assert {"file", "gen.pt.1", "gen.pt.unreadable"} <= set(os.listdir(tmp_path))
+    assert not {"file.1", "gen.pt"} & set(os.listdir(tmp_path))       # the failed save left nothing
+    assert_no_children()

@@ -57,9 +57,14 @@ def check_port_free(host: str, port: int) -> None:
             raise
 
 
+def default_nproc(args: argparse.Namespace) -> int:
+    """``--nproc-per-node`` as given (0 and negatives too: refused by the caller), else the GPU count, or 2."""
+    return args.nproc_per_node if args.nproc_per_node is not None else (gpu_count() or 2)
+
+
 def torchrun_args(args: argparse.Namespace) -> List[str]:
     """The ``torch.distributed.run`` argument list for our options."""
-    nproc = args.nproc_per_node or gpu_count() or 2
+    nproc = default_nproc(args)
     if args.nnodes < 1 or nproc < 1:
         raise SystemExit("mgpu-lab launch: --nnodes and --nproc-per-node must be >= 1")
     if args.nnodes == 1:
@@ -107,7 +112,7 @@ def oversubscription_note(nproc: int) -> Optional[str]:
 
 def run(args: argparse.Namespace) -> int:
     argv = torchrun_args(args)
-    note = oversubscription_note(args.nproc_per_node or gpu_count() or 2)
+    note = oversubscription_note(default_nproc(args))
     if note:
         print(note, file=sys.stderr)
     if args.dry_run:

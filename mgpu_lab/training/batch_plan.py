@@ -13,12 +13,17 @@ micro-batches inside a share (34 in K=3: 12, 11, 11): the accumulator weighs eve
 whatever the counts (it sums ``loss * num_samples`` and divides by the global count), so the
 step is the mean over exactly B items. A plan that would give a rank an empty micro-batch (fewer
 items than K, or than ranks) is refused, with the numbers. ``plan.batch_sampler(sampler)`` yields
-this rank's micro-batches from its sampler (a ``DistributedSampler``), the same number of steps
-on every rank (a rank with a smaller share leaves its last items of the epoch unread, as
-``drop_last`` does), so the ranks step together.
+this rank's micro-batches from its sampler (a ``DistributedSampler``), whole steps only and the
+same number of steps on every rank, so the ranks step together: each rank's samples of an epoch
+beyond the last whole step are dropped, as ``drop_last=True`` does (200 samples on 2 ranks,
+global batch 32: 6 steps of 16 per rank, 4 of each rank's 100 dropped per epoch; global batch 33:
+shares 17 and 16, 5 steps, 15 and 20 dropped). Which samples the sampler's shuffle decides, anew each
+epoch. It warns once, naming how many, when it drops any; a global batch whose shares divide the
+rank's sample count drops none.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -42,13 +47,14 @@ class BatchPlan:
         return samples_per_rank // max(self.shares)
 
     def batch_sampler(self, sampler: Sequence[int], rank: Optional[int] = None) -> "PlanBatchSampler":
-        """``DataLoader(dataset, batch_sampler=plan.batch_sampler(sampler))``: this rank's micro-batches."""
+        """``DataLoader(dataset, batch_sampler=plan.batch_sampler(sampler))``: this rank's micro-batches, whole
+        steps only: the samples beyond the epoch's last whole step are dropped (a warning, once, says how many)."""
         if rank is None:
             import torch.distributed as dist
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if not 0 <= rank < self.dp_size:
             raise ValueError(f"rank {rank} is not one of the plan's {self.dp_size} data-parallel ranks")
-        return PlanBatchSampler(sampler, self.micro_batches[rank], self)
+        return PlanBatchSampler(sampler, self.micro_batches[rank], self, rank)
 
     def __str__(self) -> str:
         per = "; ".join(f"rank {r}: {s} = {'+'.join(map(str, m))}" for r, (s, m) in
@@ -60,15 +66,24 @@ class BatchPlan:
 class PlanBatchSampler:
     """Lists of indices from ``sampler``: the plan's micro-batches of one rank, whole steps only."""
 
-    def __init__(self, sampler, sizes: Tuple[int, ...], plan: BatchPlan):
-        self.sampler, self.sizes, self.plan = sampler, sizes, plan
+    def __init__(self, sampler, sizes: Tuple[int, ...], plan: BatchPlan, rank: int = 0):
+        self.sampler, self.sizes, self.plan, self.rank = sampler, sizes, plan, rank
+        self._warned = False
 
     def __len__(self) -> int:
         return self.plan.steps_per_epoch(len(self.sampler)) * len(self.sizes)
 
     def __iter__(self) -> Iterator[List[int]]:
+        n, steps = len(self.sampler), self.plan.steps_per_epoch(len(self.sampler))
+        dropped = n - steps * sum(self.sizes)
+        if dropped and not self._warned:
+            self._warned = True
+            warnings.warn(f"batch_plan: rank {self.rank} reads {steps * sum(self.sizes)} of its sampler's {n} samples "
+                          f"per epoch ({steps} whole steps of {sum(self.sizes)}; every rank runs {steps}): the last "
+                          f"{dropped} are dropped each epoch, as drop_last=True does (the shuffle decides which). "
+                          "A global batch whose per-rank shares divide the sample count drops none", stacklevel=2)
         it = iter(self.sampler)
-        for _ in range(self.plan.steps_per_epoch(len(self.sampler))):
+        for _ in range(steps):
             for size in self.sizes:
                 yield [next(it) for _ in range(size)]
 

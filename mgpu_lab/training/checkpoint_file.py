@@ -18,15 +18,21 @@
    :class:`CheckpointError` naming the file, the generation and the step, the cause in
    words (truncated, not a checkpoint, out of disk, permission) and what to do; torch's
    own exception (``EOFError``, "PytorchStreamReader failed ...", "unexpected pos ...")
-   is chained to it as ``__cause__``.
+   is chained to it as ``__cause__``. Under a process group a failed write raises on every
+   rank: rank 0 sends the outcome to the others before the barrier.
+4. **Checked**: ``torch.load`` does not check the zip's CRCs, so a flipped byte inside a tensor
+   would load silently. Each file ends with its SHA-256 (the zip's comment, computed as it is
+   written); ``load_checkpoint`` checks it first: a mismatch is "corrupt (its checksum differs)".
 
 :class:`~mgpu_lab.training.train_state.TrainState` writes its one-file checkpoints with these.
 """
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import pickle
+import struct
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Dict, Optional, Tuple
@@ -57,6 +63,13 @@ class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """The file holds pickled objects that loading would have to execute; nothing ran."""
 
 
+TRUNCATED_TODO = "restore a copy, or load an older generation (TrainState(..., keep=N) keeps N), or delete the file"
+
+
+class ChecksumMismatch(Exception):
+    """The file's SHA-256 is not the one recorded when it was written."""
+
+
 def failure_cause(exc: BaseException) -> Tuple[str, str]:
     """``(cause, what to do)`` in words for an exception raised while writing or reading a file."""
     chain, e = [], exc  # the OS's errno may sit below torch's words
@@ -73,6 +86,9 @@ def failure_cause(exc: BaseException) -> Tuple[str, str]:
         if isinstance(e, (NotADirectoryError, IsADirectoryError, FileExistsError)):
             return (f"a path component is not a folder ({e.strerror}: {e.filename})",
                     "give a path whose folders are folders (or can be created)")
+    if any(isinstance(e, ChecksumMismatch) for e in chain):
+        return ("corrupt (its checksum differs: bytes changed after the save, e.g. a damaged disk or copy)",
+                TRUNCATED_TODO)
     text = " ".join(str(e) for e in chain)  # DCP's CheckpointException holds its ranks' errors as text
     if "No space left on device" in text or "Disk quota exceeded" in text:
         return ("out of disk space (or over quota)",
@@ -83,8 +99,7 @@ def failure_cause(exc: BaseException) -> Tuple[str, str]:
     if any(isinstance(e, EOFError) or (isinstance(e, OSError) and e.errno == errno.EINVAL) for e in chain) or any(
             w in text for w in ("truncated", "central directory", "failed reading zip", "file not found: archive",
                                 "Ran out of input", "unexpected EOF", "checksum", "CRC")):
-        return ("truncated or corrupt (a save that did not finish, or a damaged copy)",
-                "load an older generation (TrainState(..., keep=N) keeps and falls back to them) or delete the file")
+        return ("truncated or corrupt (a save that did not finish, or a damaged copy)", TRUNCATED_TODO)
     if any(isinstance(e, (pickle.UnpicklingError, KeyError)) for e in chain) or "invalid load key" in text:
         return ("not a checkpoint (not a file torch.save wrote)", "check the path")
     if isinstance(exc, OSError):
@@ -122,15 +137,114 @@ def save_checkpoint(path: str, **state: Any) -> None:
 def _save_file(path: str, state: Dict[str, Any], what: str, before_replace=None, generation=None) -> None:
     """``save_checkpoint``'s work; ``before_replace`` (rank 0, after the write, before the rename)."""
     _check_loadable(state, "state")
+    step = state.get("step") if isinstance(state.get("step"), int) else None
+    rank0_writes(lambda: write_atomically(path, lambda f: save_with_checksum(state, f), before_replace),
+                 path, what, generation, step)
+
+
+def rank0_writes(write, path: str, what: str, generation=None, step=None) -> None:
+    """Rank 0 runs ``write()``; then every rank learns whether it succeeded (rank 0 sends the outcome)
+    and waits at the barrier. A failure raises :class:`CheckpointError` on every rank: on rank 0 the
+    cause, on the others that rank 0's save failed, with its message."""
     rank, world = rank_and_world_size()
+    error: Optional[CheckpointError] = None
     if rank == 0:
         try:
-            write_atomically(path, lambda f: torch.save(state, f), before_replace)
+            write()
         except Exception as exc:
-            step = state.get("step") if isinstance(state.get("step"), int) else None
-            raise checkpoint_error("saving", path, exc, generation, step) from exc
+            error = checkpoint_error("saving", path, exc, generation, step)
+    if world > 1:
+        outcome = [None if error is None else str(error)]
+        try:
+            dist.broadcast_object_list(outcome, src=0)
+        except RuntimeError as exc:
+            raise _waited(what, "rank 0 (it writes the file)" if rank else f"ranks {list(range(1, world))}",
+                          "for the outcome of the write", exc) from exc
+        if outcome[0] is not None and rank != 0:
+            raise CheckpointError(f"rank {rank}: {what}: rank 0's save failed (see its error; the other ranks "
+                                  f"raise this one). Rank 0: {outcome[0]}", path=path, generation=generation,
+                                  step=step, cause="rank 0's save failed")
+    if error is not None:
+        raise error
     if world > 1:
         _barrier(what)
+
+
+# --------------------------------------------------------------------------- checksums
+# torch.load does not check the zip's CRCs: a flipped byte inside a tensor loads silently. Every
+# file written here ends with its SHA-256, as the zip archive's comment (a zip may end with one,
+# so torch.load, zipfile and unzip read the file as before): "mgpu_lab-sha256:<64 hex digits>",
+# the digest of every byte before the comment. It is computed as the bytes are written (no second
+# read at save); load hashes the file before torch.load reads it (a second read, from the page cache).
+_MARK = b"mgpu_lab-sha256:"
+_COMMENT = len(_MARK) + 64
+_EOCD = 22  # a zip's end-of-central-directory record without a comment (also after a zip64 one)
+
+
+class _Checksummed:
+    """A binary file that hashes what goes through it and holds back the last 22 bytes (the zip's end
+    record), so that ``finish()`` can give the archive its comment: the digest."""
+
+    def __init__(self, f):
+        self._f, self._hash, self._tail = f, hashlib.sha256(), b""
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if n >= _EOCD:
+            self._put(self._tail)
+            self._put(view[:n - _EOCD])
+            self._tail = bytes(view[n - _EOCD:])
+        else:
+            joined = self._tail + bytes(view)
+            self._put(joined[:-_EOCD] if len(joined) > _EOCD else b"")
+            self._tail = joined[-_EOCD:]
+        return n
+
+    def _put(self, data) -> None:
+        if len(data):
+            self._hash.update(data)
+            self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def finish(self) -> None:
+        end = self._tail
+        if len(end) != _EOCD or end[:4] != b"PK\x05\x06" or end[20:22] != b"\0\0":
+            raise RuntimeError("torch.save did not end its file with a zip end record: cannot add a checksum")
+        end = end[:20] + struct.pack("<H", _COMMENT)
+        self._hash.update(end)
+        self._f.write(end + _MARK + self._hash.hexdigest().encode())
+
+
+def save_with_checksum(obj: Any, f) -> None:
+    """``torch.save(obj, f)``, the file ending with its SHA-256 (the zip's comment)."""
+    writer = _Checksummed(f)
+    torch.save(obj, writer)
+    writer.finish()
+
+
+def verify_checksum(path: str) -> Optional[bool]:
+    """True if ``path``'s bytes match the SHA-256 it ends with, False if not, None if it has none
+    (written by plain torch.save, or cut short before its end)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size < _EOCD + _COMMENT:
+            return None
+        f.seek(size - _COMMENT)
+        comment = f.read(_COMMENT)
+        if not comment.startswith(_MARK):
+            return None
+        f.seek(0)
+        digest, left = hashlib.sha256(), size - _COMMENT
+        while left:
+            chunk = f.read(min(left, 1 << 22))
+            if not chunk:
+                return False
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest().encode() == comment[len(_MARK):]
 
 
 def load_checkpoint(path: str, map_location=None) -> Dict[str, Any]:
@@ -143,6 +257,8 @@ def load_checkpoint(path: str, map_location=None) -> Dict[str, Any]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"load_checkpoint: no checkpoint at {path!r} (nothing saved yet, or a wrong path)")
     try:
+        if verify_checksum(path) is False:
+            raise ChecksumMismatch(f"{path}: its SHA-256 is not the one recorded when it was written")
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         if "GLOBAL" not in str(exc) and "global" not in str(exc):  # e.g. "Unsupported operand": garbage
@@ -198,18 +314,22 @@ def _barrier(what: str) -> None:
     (its watchdog enforces the timeout).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    timeout = _group_timeout()
     waited_for = f"ranks {list(range(1, world))}" if rank == 0 else "rank 0 (it writes the file)"
     try:
         if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+            dist.monitored_barrier(timeout=_group_timeout(), wait_all_ranks=True)
         else:
             dist.barrier()
     except RuntimeError as exc:
-        if peer_died(str(exc)):  # not a slow peer: a dead (or departed) one
-            raise RuntimeError(f"rank {rank}: {what} waited for {waited_for} at the barrier after the write, and "
-                               f"one of them died or left ({str(exc).strip().splitlines()[0]}). This rank is fine: "
-                               "the cause is in that rank's own output (an exception, a death by signal, or it "
-                               "returned without calling save)") from exc
-        raise RuntimeError(f"rank {rank}: {what} waited up to {timeout.total_seconds():g} s for {waited_for} "
-                           f"at the barrier after the write, and failed: {exc}") from exc
+        raise _waited(what, waited_for, "at the barrier after the write", exc) from exc
+
+
+def _waited(what: str, waited_for: str, where: str, exc: BaseException) -> RuntimeError:
+    """The error of a collective of a save that failed: a dead (or departed) peer, or a timeout."""
+    rank = dist.get_rank()
+    if peer_died(str(exc)):  # not a slow peer: a dead (or departed) one
+        return RuntimeError(f"rank {rank}: {what} waited for {waited_for} {where}, and one of them died or left "
+                            f"({str(exc).strip().splitlines()[0]}). This rank is fine: the cause is in that rank's "
+                            "own output (an exception, a death by signal, or it returned without calling save)")
+    return RuntimeError(f"rank {rank}: {what} waited up to {_group_timeout().total_seconds():g} s for {waited_for} "
+                        f"{where}, and failed: {exc}")

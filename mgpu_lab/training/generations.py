@@ -11,7 +11,9 @@ to resume from. ``TrainState(..., keep=N)`` keeps the newest N saves, logrotate'
 A save writes the new file under a temporary name first (``atomic_file``), then shifts the
 older names up by one, hard-links the current ``ckpt.pt`` as ``ckpt.pt.1``, and renames the new
 file over ``ckpt.pt``: at every moment each name holds a complete file. ``load`` tries them
-newest first and warns, naming the file and why, when it passes one over. The temporary files
+newest first; when it passes one over (unreadable: truncated, not a checkpoint, its SHA-256
+differs) and loads an older one, it renames the bad one ``<name>.unreadable`` and warns once,
+naming both: set aside, it is no generation, so the next save's rotation keeps the good ones. The temporary files
 of a save that was killed (``.ckpt.pt.*.tmp``) are removed by the next save.
 """
 from __future__ import annotations
@@ -49,15 +51,23 @@ def clear_stale(path: str) -> None:
 
 def rotate(path: str, keep: int) -> None:
     """Before a new file is renamed over ``path``: make room so that ``keep`` generations remain
-    (the new one, ``path`` as ``path.1``, ...). Rank 0 only."""
+    (the new one, then the ones on disk newest first as ``path.1``, ``path.2``, ...: a missing number,
+    e.g. a newest set aside as unreadable, leaves no gap and costs no good generation). Rank 0 only."""
     folder = os.path.dirname(os.path.abspath(path))
-    for name, _ in existing(path):  # those that would be shifted beyond keep go
-        if name != path and int(name.rsplit(".", 1)[1]) >= keep - 1:
+    olds = [name for name, _ in existing(path)]          # newest first: each gets the number of its rank
+    for name in olds[max(keep - 1, 0):]:                 # those beyond keep go (path: the new file replaces it)
+        if name != path:
             os.unlink(name)
-    for i in range(keep - 2, 0, -1):
-        if os.path.isfile(older(path, i)):
-            os.replace(older(path, i), older(path, i + 1))
-    if keep > 1 and os.path.isfile(path):
+    olds = olds[:max(keep - 1, 0)]
+    number = [0 if name == path else int(name.rsplit(".", 1)[1]) for name in olds]
+    down = [i for i in range(len(olds)) if number[i] > i + 1]   # to a smaller number (a gap before it)
+    up = [i for i in range(len(olds)) if number[i] == i]        # to the next number (path -> path.1, ...)
+    for i in down:                                       # in this order no move lands on a file not yet moved
+        os.replace(olds[i], older(path, i + 1))
+    for i in reversed(up):
+        if olds[i] != path:
+            os.replace(olds[i], older(path, i + 1))
+            continue
         link = os.path.join(folder, f".{os.path.basename(path)}.rotate.tmp")  # a dead save's: clear_stale removed it
         try:
             os.link(path, link)          # path stays whole; its second name becomes path.1
@@ -73,6 +83,10 @@ def check_writable(folder: str) -> None:
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise NotADirectoryError(errno.ENOTDIR, "Not a directory", folder)
     os.makedirs(folder, exist_ok=True)
-    fd, probe = tempfile.mkstemp(prefix=".mgpu_lab-probe.", suffix=".tmp", dir=folder)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mgpu_lab-probe.", suffix=".tmp", dir=folder)
+    except FileNotFoundError as exc:  # the folder is there (made just above): its file system makes no files
+        raise OSError(errno.ENOTSUP, "the folder exists, but its file system creates no files in it (a virtual "
+                      "file system such as /proc or /sys?)", folder) from exc
     os.close(fd)
     os.unlink(probe)

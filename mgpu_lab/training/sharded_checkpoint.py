@@ -20,11 +20,14 @@ pointing at a complete generation. After the switch, generations beyond the newe
 and the temporary folders of saves that died are removed. ``generations`` lists them newest
 first (``latest``'s, then the others by step), for a load that falls back when one is unreadable.
 ``meta.pt`` holds what is not a tensor (step, RNG states, scheduler, parameter groups),
-written by rank 0 atomically (``atomic_file.py``, as ``save_checkpoint`` writes). Tensors
-live under ``model/<name>`` and ``optim/<name>/<state key>``.
+written by rank 0 atomically (``atomic_file.py``, as ``save_checkpoint`` writes, ending with its
+SHA-256), with the SHA-256 of each of DCP's files (rank 0 reads them once more at the save; every
+loading rank reads them once more to check). Tensors live under ``model/<name>`` and
+``optim/<name>/<state key>``. A generation ``load`` found unreadable is renamed ``<name>.unreadable``.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import uuid
 from typing import Any, Callable, Dict, List, Optional
@@ -34,6 +37,7 @@ import torch.distributed as dist
 
 from ..runtime.distributed import rank_and_world_size
 from .atomic_file import fsync_dir, write_atomically
+from .checkpoint_file import save_with_checksum
 
 LATEST = "latest"
 
@@ -58,7 +62,8 @@ def latest(path: str) -> Optional[str]:
 def generations(path: str) -> List[str]:
     """The generation folders under ``path``, newest first: ``latest``'s, then the others by step."""
     try:
-        names = [n for n in os.listdir(path) if n.startswith("step-") and os.path.isdir(os.path.join(path, n))]
+        names = [n for n in os.listdir(path) if n.startswith("step-") and not n.endswith(".unreadable")
+                 and os.path.isdir(os.path.join(path, n))]
     except OSError:
         return []
     names.sort(key=lambda n: (n.split("-")[1], os.path.getmtime(os.path.join(path, n))), reverse=True)
@@ -74,9 +79,11 @@ def generations(path: str) -> List[str]:
 
 
 def save(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], step: int,
-         barrier: Callable[[str], None], keep: int = 1) -> str:
-    """Every rank calls it with its own ``tensors``; rank 0 also writes ``meta``. Returns the folder."""
+         what: str, keep: int = 1) -> str:
+    """Every rank calls it with its own ``tensors``; rank 0 also writes ``meta``. Returns the folder.
+    A failure of rank 0's part raises :class:`CheckpointError` on every rank (``rank0_writes``)."""
     import torch.distributed.checkpoint as dcp
+    from .checkpoint_file import rank0_writes
     path = os.fspath(path)
     if os.path.isfile(path):
         raise FileExistsError(f"{path!r} is a file (a one-file checkpoint): a sharded checkpoint is a folder; "
@@ -87,8 +94,11 @@ def save(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], step
     tmp, final = os.path.join(path, f".{name[0]}.tmp"), os.path.join(path, name[0])
     os.makedirs(tmp, exist_ok=True)
     dcp.save(tensors, checkpoint_id=tmp, no_dist=not dist.is_initialized())
-    if rank_and_world_size()[0] == 0:
-        write_atomically(os.path.join(tmp, "meta.pt"), lambda f: torch.save(meta, f))
+
+    def finish() -> None:  # rank 0, once every rank's pieces are written
+        meta["sha256"] = {n: file_sha256(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))
+                          if os.path.isfile(os.path.join(tmp, n)) and n != "meta.pt"}
+        write_atomically(os.path.join(tmp, "meta.pt"), lambda f: save_with_checksum(meta, f))
         fsync_dir(tmp)
         os.replace(tmp, final)               # 1. the generation is complete under its name
         fsync_dir(path)
@@ -98,9 +108,25 @@ def save(path: str, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], step
         for old in os.listdir(path):
             if old.startswith(".step-") and old != name[0]:
                 _remove_tree(os.path.join(path, old))
-    if rank_and_world_size()[1] > 1:
-        barrier(f"TrainState.save({path!r})")
+    rank0_writes(finish, path, what, "new", step)
     return final
+
+
+def file_sha256(file: str) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(folder: str, meta: Dict[str, Any]) -> None:
+    """Raise ``ChecksumMismatch`` naming the first file of the generation whose SHA-256 differs from the one
+    recorded at the save (generations saved before checksums were recorded: nothing to check)."""
+    from .checkpoint_file import ChecksumMismatch
+    for name, digest in (meta.get("sha256") or {}).items():
+        if file_sha256(os.path.join(folder, name)) != digest:
+            raise ChecksumMismatch(f"{os.path.join(folder, name)}: its SHA-256 is not the one recorded at the save")
 
 
 def _remove_tree(folder: str) -> None:

@@ -27,8 +27,9 @@ happened, and (4) loads on the machines you have *now*.
 
 5. **Generations that fall back**: ``keep=N`` keeps the newest N saves (``ckpt.pt``,
    ``ckpt.pt.1``, ...; :mod:`~mgpu_lab.training.generations`; sharded: N generation folders);
-   ``load`` reads and checks them newest first and warns, naming the file, when it passes
-   over an unreadable one. A save that died leaves temporary files the next save removes.
+   ``load`` reads and checks them newest first (each file's SHA-256 too) and warns, naming the
+   file, when it passes over an unreadable one, which it renames ``<name>.unreadable`` (set aside:
+   the next save keeps the good ones). A save that died leaves temporary files the next save removes.
    Every failure is one :class:`~mgpu_lab.training.checkpoint_file.CheckpointError` naming
    the file, generation and step, the cause and what to do. ``load`` is strict, as torch's
    ``load_state_dict``: tensors the model lacks are refused by name (``strict=False``).
@@ -36,7 +37,7 @@ happened, and (4) loads on the machines you have *now*.
 Typical loop (README's; the whole pattern is ``examples/resumable_train.py``)::
 
     state = TrainState(model, optimizer, scaler, scheduler=scheduler, dataloader=loader,
-                       path="ckpt.pt", keep=3)            # the folder must be writable: checked now
+                       path="ckpt.pt", keep=3)            # a path no save could use: refused now
     state.load()                                         # resumes if a generation exists, else no-op
     for epoch in range(state.epoch, E):
         sampler.set_epoch(epoch)
@@ -72,7 +73,7 @@ from ..parallel import wrappers
 from ..runtime.distributed import rank_and_world_size
 from . import generations, sharded_checkpoint, state_dicts
 from .checkpoint_file import (  # noqa: F401  (public here too: mgpu_lab.training.train_state.save_checkpoint)
-    CheckpointError, UnsafeCheckpointError, _barrier, _save_file, checkpoint_error, load_checkpoint, save_checkpoint,
+    CheckpointError, UnsafeCheckpointError, _save_file, checkpoint_error, load_checkpoint, save_checkpoint,
 )
 from .loader_position import LoaderPosition, rng_state, set_rng_state  # noqa: F401  (rng_state: public here)
 
@@ -90,8 +91,9 @@ class TrainState:
     yours. ``extra`` holds other plain values. ``dataloader``: a ``DataLoader`` (or torchdata's
     ``StatefulDataLoader``) whose position and generators are saved, so that a resumed run
     continues mid-epoch or at an epoch boundary bit for bit (:mod:`~mgpu_lab.training.loader_position`).
-    ``path``: where ``save()``/``load()`` go (its folder's writability is checked now); ``keep``:
-    how many generations to keep (an unreadable newest falls back to the one before).
+    ``path``: where ``save()``/``load()`` go (checked now: a folder for a one-file checkpoint, ``""``,
+    a folder no file can be made in are refused); ``keep``: how many generations to keep (an unreadable
+    one is passed over and set aside as ``<name>.unreadable``).
     ``sharded=True`` saves a ``torch.distributed.checkpoint`` folder (each rank its pieces)
     instead of one file of full weights. ``state_dict()``, ``save()`` and ``load()`` are
     collectives: every rank calls them.
@@ -106,6 +108,8 @@ class TrainState:
         self.model, self.optimizer, self.scaler, self.scheduler = model, optimizer, scaler, scheduler
         self.step, self.epoch, self.sharded, self.keep = step, epoch, bool(sharded), keep
         self.path = None if path is None else os.fspath(path)
+        if self.path is not None:
+            _check_path(self.path, self.sharded)
         self.extra: Dict[str, Any] = {}
         self._loaded_rng: Optional[List[Dict[str, Any]]] = None
         self._rng_hook = None  # restores the loaded RNG at the model's next forward (no dataloader given)
@@ -168,6 +172,7 @@ class TrainState:
         (``path.1``, ...). ``sharded=True``: a folder ``path`` in which each rank writes its pieces (a new
         generation, switched to atomically). A failure raises :class:`CheckpointError`."""
         path = self._where(path)
+        _check_path(path, self.sharded)  # a folder, "": refused before any collective, on every rank
         if not self.sharded:
             state = self.state_dict()
             if rank_and_world_size()[0] == 0:
@@ -178,7 +183,7 @@ class TrainState:
         meta = self._plain_state()
         tensors = sharded_checkpoint.split_state(self.model, self.optimizer, meta)
         try:
-            sharded_checkpoint.save(path, tensors, meta, self.step, _barrier, self.keep)
+            sharded_checkpoint.save(path, tensors, meta, self.step, f"TrainState.save({path!r})", self.keep)
         except CheckpointError:
             raise
         except (Exception, _dcp_failure()) as exc:
@@ -219,17 +224,16 @@ class TrainState:
                 failures.append((where, generation, exc))
             except (KeyError, ValueError) as exc:  # readable, but not this model's
                 raise _misfit(where, generation, None, exc) from exc
-        else:
+        else:  # the advice is this error's alone: chained is the first generation's own exception (torch's)
             lines = "; ".join(f"{w} ({g} generation, step unknown): {e.cause}" for w, g, e in failures)
             raise CheckpointError(f"loading checkpoint {path!r} failed: {len(failures)} generation(s), none readable: "
                                   f"{lines}. What to do: restore a copy, or start afresh (delete them, or give "
                                   "another path); TrainState(..., keep=N) keeps N generations to fall back on",
-                                  path=path, generation=failures[0][1], cause=failures[0][2].cause) from failures[0][2]
+                                  path=path, generation=failures[0][1],
+                                  cause=failures[0][2].cause) from failures[0][2].__cause__ or failures[0][2]
         if failures:
-            warnings.warn(f"TrainState.load: {failures[0][0]} ({failures[0][1]} generation) is unreadable: "
-                          f"{failures[0][2].cause}; loaded {where} ({generation}, step {state.get('step')}) instead",
-                          stacklevel=2)
-        elif not sharded and candidates[0][0] != path:
+            self._set_aside(failures, where, generation, state.get("step"))
+        elif not sharded and candidates[0][0] != path and not os.path.exists(path + ".unreadable"):
             warnings.warn(f"TrainState.load: {path} is missing (a save was cut short between two renames); "
                           f"loaded {where} ({generation}, step {state.get('step')})", stacklevel=2)
         try:
@@ -240,6 +244,26 @@ class TrainState:
             raise _misfit(where, generation, state.get("step"), exc) from exc
         self._restore_counters(state, restore_rng)
         return True
+
+    def _set_aside(self, failures, where: str, generation: str, step) -> None:
+        """Rename the unreadable generations ``<name>.unreadable`` (rank 0, once every rank has read), so that
+        the next save's rotation never keeps them in place of a good one; warn once (rank 0)."""
+        rank, world = rank_and_world_size()
+        if world > 1:  # nobody still reads a file rank 0 renames
+            dist.barrier()
+        if rank != 0:
+            return
+        bad, moved = [], []
+        for file, bad_generation, exc in failures:
+            bad.append(f"{file} ({bad_generation} generation) is unreadable: {exc.cause}")
+            try:
+                os.replace(file, file + ".unreadable")
+                moved.append(f"{file}.unreadable")
+            except OSError as err:
+                moved.append(f"(not {file}: {err.strerror}, so the next save may rotate it)")
+        warnings.warn(f"TrainState.load: {'; '.join(bad)}; loaded {where} ({generation}, step {step}) instead. "
+                      f"Set aside as {', '.join(moved)}: not a generation any more (keep does not count it); "
+                      "delete it, or keep it to inspect", stacklevel=3)
 
     def _read(self, where: str, sharded: bool, map_location) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
         """Read and check one generation: ``(state, tensors read by this rank)``; CheckpointError if unreadable."""
@@ -253,6 +277,7 @@ class TrainState:
             return state, {}
         state = load_checkpoint(os.path.join(where, "meta.pt"), map_location=map_location)
         try:
+            sharded_checkpoint.verify(where, state)
             return state, sharded_checkpoint.read_tensors(self.model, self.optimizer, where, _holds(state))
         except (KeyError, ValueError):
             raise
@@ -330,6 +355,20 @@ FORMAT = 2  # 1: optimizer state as the optimizer's own state_dict (FSDP: per ra
 def _dcp_failure() -> type:
     from torch.distributed.checkpoint.api import CheckpointException
     return CheckpointException
+
+
+def _check_path(path: str, sharded: bool) -> None:
+    """Refuse a ``path=`` that no save could use, naming why (every rank: no file system access beyond a stat)."""
+    if path == "":
+        raise ValueError("TrainState path='': an empty path; give a file name such as 'ckpt.pt'"
+                         + (" (sharded=True: a folder name)" if sharded else ""))
+    if not sharded and os.path.isdir(path):
+        raise ValueError(f"TrainState path={path!r}: that is a folder, and a one-file checkpoint is a file: give a "
+                         f"file name inside it (e.g. {os.path.join(path, 'ckpt.pt')!r}), or sharded=True to save "
+                         "a folder of generations there (a sharded checkpoint loads with load(folder) too)")
+    if sharded and os.path.isfile(path):
+        raise ValueError(f"TrainState path={path!r} (sharded=True): that is a file (a one-file checkpoint?), and a "
+                         "sharded checkpoint is a folder: give a folder name (a file loads with load(file))")
 
 
 def _misfit(where: str, generation: str, step, exc: Exception) -> CheckpointError:
