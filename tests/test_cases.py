@@ -52,7 +52,7 @@ def test_every_graded_cell_states_the_cases_of_every_name_its_probe_sends():
         paths = [p for name, text in meta["expects"].items() for p in _paths(cases.parse(text), name)]
         for pattern, why in meta.get("free", {}).items():
             assert isinstance(why, str) and why, f"{lab} {gid}: free {pattern!r} says why"
-            assert any(f.match(p) for f in cases._free([pattern]) for p in paths), \
+            assert any(f.match(p) for f in cases.free_patterns([pattern]) for p in paths), \
                 f"{lab} {gid}: free {pattern!r} matches nothing the probe sends"
 
 

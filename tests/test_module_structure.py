@@ -70,6 +70,7 @@ SIDES = {
                "grading.guard", "notebook.cells", "notebook.graded_cell"},
     "grader": {"grading.grader", "grading.session", "grading.scoring", "grading.submission",
                "grading.tamper", "grading.judge", "grading.judge_pool", "grading.cases", "grading.hidden",
+               "grading.misconceptions",
                "notebook.notebooks", "notebook.layout", "notebook.exercises",
                "classroom.__init__", "classroom.grade", "classroom.report", "classroom.gradebook",
                "classroom.handins", "classroom.lms", "classroom.platforms", "classroom.export",

@@ -93,11 +93,11 @@ def parse(text: str):
 
 # --- the check ----------------------------------------------------------------------
 
-def _free(patterns) -> List[re.Pattern]:
+def free_patterns(patterns) -> List[re.Pattern]:
     return [re.compile(re.escape(p).replace(r"\[\*\]", r"\[[^\]]*\]") + "$") for p in patterns]
 
 
-def _kind(value) -> str:
+def kind_of(value) -> str:
     import torch
     if isinstance(value, torch.Tensor):
         return "a tensor"
@@ -124,15 +124,15 @@ def _mismatch(sig, value, path: str, free, veiled: bool = False) -> Optional[tup
         else:
             ok = not isinstance(value, (list, tuple, dict, torch.Tensor)) and signature(value) == sig
         want = {"num": "a number", "bool": "a bool", "str": "a string", "none": "None"}.get(sig, sig)
-        return None if ok else (path, f"{_kind(value)}, the check expects {want}",
-                                f"{_kind(value)} where the check expects another type")
+        return None if ok else (path, f"{kind_of(value)}, the check expects {want}",
+                                f"{kind_of(value)} where the check expects another type")
     kind, rest = sig[0], sig[1]
     if kind == "tensor":
         dtype, shape = rest, sig[2]
         if shape == () and isinstance(value, (int, float)) and not isinstance(value, bool):
             return None                                  # a 0-dim tensor or a number: a scalar
         if not isinstance(value, torch.Tensor):
-            return (path, f"{_kind(value)}, the check expects a tensor", f"{_kind(value)} "
+            return (path, f"{kind_of(value)}, the check expects a tensor", f"{kind_of(value)} "
                     "where the check expects a tensor")
         if tuple(value.shape) != shape:
             return (path, f"a tensor of shape {tuple(value.shape)}, the check expects {shape}",
@@ -143,7 +143,7 @@ def _mismatch(sig, value, path: str, free, veiled: bool = False) -> Optional[tup
         return None
     if kind == "seq":
         if not isinstance(value, (list, tuple)):
-            return (path, f"{_kind(value)}, the check expects a list", f"{_kind(value)} "
+            return (path, f"{kind_of(value)}, the check expects a list", f"{kind_of(value)} "
                     "where the check expects a list")
         if len(value) != len(rest):
             few = len(value) < len(rest)
@@ -155,7 +155,7 @@ def _mismatch(sig, value, path: str, free, veiled: bool = False) -> Optional[tup
                 return found
         return None
     if not isinstance(value, dict):
-        return (path, f"{_kind(value)}, the check expects a dict", f"{_kind(value)} where "
+        return (path, f"{kind_of(value)}, the check expects a dict", f"{kind_of(value)} where "
                 "the check expects a dict")
     missing = [k for k in rest if k not in value]
     if missing:
@@ -179,7 +179,7 @@ def check_cases(expects: Dict[str, str], answer: dict, free=(), hidden=None,
     what first differs, in words. ``hidden``: None for a cell without hidden tests, else
     the names only its hidden lines bind; then no message states a length, key or shape,
     nor names a hidden result."""
-    patterns = _free(free)
+    patterns = free_patterns(free)
     for name in sorted(expects, key=lambda n: bool(hidden) and n in hidden):   # visible ones first
         text = expects[name]
         shown = "a hidden check's result" if hidden and name in hidden else f"`{name}`"
@@ -260,7 +260,17 @@ def cases_of(cell) -> dict:
     if BEGIN_HIDDEN in cell.source:
         seen = set(graded_cell.bound_names(graded_cell.split(strip_solution(cell.source)).probe))
         hidden = sorted(set(meta["expects"]) - seen)
-    from .misconceptions import of_cell
-    known = [{"id": m["id"], "fingerprint": m["fingerprint"]} for m in of_cell(cell)]
+    known = [{"id": m["id"], "fingerprint": m["fingerprint"]} for m in stored_misconceptions(cell)]
     return {"expects": dict(meta["expects"]), "free": list(meta.get("free", {})), "hidden": hidden,
             **({"misconceptions": known} if known else {})}
+
+
+MISCONCEPTIONS = "misconceptions"    # a graded cell's metadata.mgpu_lab key (:mod:`.misconceptions`)
+
+
+def stored_misconceptions(cell) -> List[dict]:
+    """The misconceptions stored in graded cell ``cell`` (the instructor's): ids, messages,
+    sections and fingerprints (written by ``mgpu-lab labs expects --misconceptions``)."""
+    from ..notebook.cells import course_meta
+    found = course_meta(cell).get(MISCONCEPTIONS) or []
+    return [m for m in found if isinstance(m, dict) and "id" in m and "fingerprint" in m]

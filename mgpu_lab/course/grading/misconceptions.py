@@ -72,7 +72,7 @@ DEPTH = 4                     # container levels whose items are cases of their 
 WIDE = 128                    # a container of more items is one case
 MESSAGE_LIMIT = 240           # characters of a misconception's message in feedback
 SECTION_LIMIT = 80
-META = "misconceptions"       # the graded cell's metadata.mgpu_lab key
+from .cases import MISCONCEPTIONS as META    # the graded cell's metadata.mgpu_lab key
 
 
 # --- fingerprints -----------------------------------------------------------------------
@@ -103,9 +103,9 @@ class _Case:
 
     def __init__(self, free):
         import torch
-        from .cases import _kind
+        from .cases import kind_of
         self.chunks, self.exact, self.rtol = [], [], EXACT_RTOL
-        self.free, self.torch, self.kind = free, torch, _kind
+        self.free, self.torch, self.kind = free, torch, kind_of
 
     def add(self, value, path) -> None:
         """``path``: the value's path, where the cell has free paths (else None: not needed)."""
@@ -212,8 +212,8 @@ def fingerprint(answer: dict, names: Optional[Iterable[str]] = None, free=()) ->
     ``free``: the cell's free path patterns (``metadata.mgpu_lab.free``), whose values are
     left out."""
     import json
-    from .cases import _free
-    patterns = _free(free)
+    from .cases import free_patterns
+    patterns = free_patterns(free)
     out = {name: _node(answer[name], name, 0, patterns) if name in answer else None
            for name in sorted(answer if names is None else names)}
     return json.dumps(out, separators=(",", ":"), sort_keys=True)
@@ -324,9 +324,8 @@ def closest(mine: str, known: Iterable[dict]) -> Optional[Tuple[str, float]]:
 
 def of_cell(cell) -> List[dict]:
     """The misconceptions stored in graded cell ``cell`` (the instructor's)."""
-    from ..notebook.cells import course_meta
-    found = course_meta(cell).get(META) or []
-    return [m for m in found if isinstance(m, dict) and "id" in m and "fingerprint" in m]
+    from .cases import stored_misconceptions
+    return stored_misconceptions(cell)
 
 
 def hint(cell, misconception_id: Optional[str]) -> str:
