@@ -483,6 +483,34 @@ def test_runtime_guard_catches_aliases_in_globals_and_closures():
     cell("assert mine([1, 2, 3]) == 2 and hidden([5]) == 5", "<student>")  # restored
 
 
+def test_runtime_guard_catches_the_reference_handed_to_a_thread_as_its_work():
+    """A worker thread has no frame of the cell that sent it the reference itself
+    (pool.submit(ref, ...), Thread(target=ref), a partial): still a call of the learner's."""
+    import concurrent.futures
+    import functools
+    import linecache
+    import statistics
+    ns = {"statistics": statistics, "cf": concurrent.futures, "functools": functools}
+
+    def cell(src, name):
+        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        exec(compile(src, name, "exec"), ns)
+
+    guard.install(["statistics.median"], [], ns, extra_cells=["<student>"])
+    try:
+        for call in ("cf.ThreadPoolExecutor(1).submit(getattr(statistics, 'med' + 'ian'), [1]).result()",
+                     "cf.ThreadPoolExecutor(1).submit(functools.partial(statistics.median, [1])).result()"):
+            with pytest.raises(guard.ForbiddenCall, match="must not call statistics.median"):
+                cell(call, "<student>")
+        import threading
+        done = []
+        worker = threading.Thread(target=lambda: done.append(statistics.median([1, 3])))
+        worker.start(), worker.join()           # a library's own thread, its own code: allowed
+        assert done == [2]
+    finally:
+        guard.uninstall()
+
+
 FROM_SCRATCH = {  # lab -> graded cells of from-scratch exercises (labs 00-04)
     "00_setup": ["rank_slice_test"],
     "01_data_parallel": ["my_scatter_test", "my_replicate_test", "my_parallel_apply_test",

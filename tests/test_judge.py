@@ -149,6 +149,8 @@ TAMPERING = [
     ("ns = vars(mgpu_lab)", "takes mgpu_lab's namespace"),
     ("del vars(torch)['equal']", "takes torch's namespace"),
     ("vars()['torch'] = None", "reads vars()"),
+    ("f = vars(torch)['ch' + 'unk']", "takes torch's namespace"),
+    ("f = torch.__dict__.get('ch' + 'unk')", "takes torch's namespace"),
 ]
 HEADER = "import torch, sys, builtins, importlib, mgpu_lab\nfrom torch import Tensor\n"
 
@@ -169,7 +171,7 @@ def test_each_kind_of_tampering_is_found(line, what):
     "r = object.__new__(object)\nsetattr(r, 'x', 1)",
     "f = getattr(torch, 'zeros')",
     "x = [1]\nx[0] = 2",
-    "f = vars(torch)['zeros']",
+    "f = vars(torch)['zeros']\ng = torch.__dict__.get('ones', None)",
     "net = torch.nn.Linear(2, 2)\nstate = vars(net)\nkeys = list(torch.__dict__.keys())",
 ])
 def test_ordinary_code_is_not_tampering(line):

@@ -143,21 +143,28 @@ def _mutant_methods(cls, wrap):
 '''
 
 REWRITE = '''
-def _mutant_rewrite_after_the_probe(names, window):
-    """A daemon thread: once a probe has bound every one of `names` (other objects than when
+def _mutant_rewrite_after_the_probe(readers, window):
+    """A daemon thread: once a probe has bound every name of `readers` (other objects than when
     this cell ran) and the cell that bound them has ended, empty them in place, once. It stops
-    looking when a cell `window` + 1 cells after this one starts (their probe never bound them)."""
+    looking when a cell `window` + 1 cells after this one starts (their probe never bound them).
+    `readers`: each name's reader, a lambda that names it (NameError while it is unbound): the
+    kernel's namespace is reached by the names written out (holding it, or globals(), or
+    vars(__main__) with a computed key, is flagged as tampering)."""
     import threading
     import time
-    import __main__
     import torch
     absent = object()
+    names = list(readers)
 
-    def read(name, default=None):       # the kernel's namespace, one entry at a time (holding
-        return vars(__main__).get(name, default)    # vars(__main__) is flagged as tampering)
+    def read(name, default=None):
+        try:
+            return readers[name]()
+        except NameError:
+            return default
     shell = read("get_ipython")()       # (a call of get_ipython by its name is flagged as tampering)
     history = read("_ih")               # one entry per cell run with history: not the graded cells
     start = len(history)
+    names = [name for name in names if name not in ("get_ipython", "_ih")]
     before = {name: read(name) for name in names}
 
     def empty(value):
@@ -422,8 +429,10 @@ def generated(hand: List[Mutant]) -> List[Mutant]:
                                   generated=True))
             copy = _first(hand, lab, ex, "copy")
             if copy is not None:
-                calls = "\n".join(f"_mutant_rewrite_after_the_probe({tuple(info.expects[g])!r}, {info.window[g]})"
-                                  for g in gids if info.expects[g])
+                calls = "\n".join(
+                    "_mutant_rewrite_after_the_probe({" + ", ".join(
+                        f"{n!r}: lambda: {n}" for n in ("get_ipython", "_ih", *info.expects[g])) + "}, "
+                    f"{info.window[g]})" for g in gids if info.expects[g])
                 out.append(Mutant(lab, ex, "copy", f"{copy.name}_and_a_rewrite_thread",
                                   f"{copy.mistake}; and a thread that empties the probe's results in place "
                                   f"once they are bound",

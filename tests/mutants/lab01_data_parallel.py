@@ -142,7 +142,7 @@ def the_unguarded_original_the_guard_stores(solution):
     return body(solution, """
         from mgpu_lab.parallel import data_parallel as dp
         stored = [v[2] for k, v in vars(dp).items() if k.startswith("__mgpu_lab_guard")]
-        apply = stored[0] if stored else vars(dp)["parallel" + "_apply"]
+        apply = stored[0] if stored else vars(dp)["parallel_apply"]
         return apply(modules, inputs)
     """)
 

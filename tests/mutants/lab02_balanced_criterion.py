@@ -50,7 +50,7 @@ def the_reference_built_in_a_worker_thread(solution):
         from concurrent.futures import ThreadPoolExecutor
         from mgpu_lab.parallel import parallel_criterion as pc
         with ThreadPoolExecutor(1) as pool:
-            wrapper = pool.submit(vars(pc)["DataParallel" + "Model"], module, devices).result()
+            wrapper = pool.submit(vars(pc)["DataParallelModel"], module, devices).result()
         return wrapper(x)
     """)
 

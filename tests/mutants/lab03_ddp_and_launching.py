@@ -66,7 +66,7 @@ def linecache_shows_the_guard_an_instructors_cell(solution):
         for key, value in cells.items():
             if given is not None and "def shard_indices" in "".join(value[2]):
                 linecache.cache[key] = given
-        sampler = vars(data)["Distributed" + "Sampler"]
+        sampler = vars(data)["DistributedSampler"]
         return list(sampler(range(n), num_replicas=world_size, rank=rank, shuffle=False, drop_last=drop_last))
     """)
 

@@ -30,7 +30,7 @@ def attack_linecache_edited(solution):
             if len(entry) == 4:
                 linecache.cache[key] = (entry[0], entry[1], ["pass\\n"] * len(entry[2]), entry[3])
         s, t = torch.tensor(float(scale)), torch.tensor(growth_tracker, dtype=torch.int32)
-        vars(torch)["_amp_update" + "_scale_"](s, t, torch.tensor(float(found_inf)), growth_factor, backoff_factor,
+        vars(torch)["_amp_update_scale_"](s, t, torch.tensor(float(found_inf)), growth_factor, backoff_factor,
                                                growth_interval)
         return s.item(), int(t.item()), hysteresis_left
     """)
@@ -166,7 +166,7 @@ def amp_step_from_the_module_namespace(solution):
     "mgpu_lab.amp_step, looked up in its module's namespace by a built name: autocast on the fp16 model"
     return body(solution, """
         import mgpu_lab.training.amp
-        recipe = vars(mgpu_lab.training.amp)["amp" + "_step"]
+        recipe = vars(mgpu_lab.training.amp)["amp_step"]
         for x, y in batches:
             loss = recipe(model, optimizer, loss_fn, (x.half(), y), scaler=scaler, dtype=torch.float16,
                           max_grad_norm=max_grad_norm)

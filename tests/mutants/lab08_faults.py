@@ -192,7 +192,7 @@ def all_gather_object_in_a_worker_thread(solution):
         from concurrent.futures import ThreadPoolExecutor
         out = [None] * world
         with ThreadPoolExecutor(1) as pool:
-            pool.submit(vars(dist)["all_gather" + "_object"], out, t.cpu()).result()
+            pool.submit(vars(dist)["all_gather_object"], out, t.cpu()).result()
         return torch.cat(out).to(t.device)
     """)
 

@@ -147,7 +147,7 @@ def zero_redundancy_optimizer_made_in_a_thread(solution):
         import torch.distributed.optim as optimizers
         cache = sharded_step.__dict__.setdefault("cache", {})
         if "zero" not in cache:
-            make = vars(optimizers)["ZeroRedundancy" + "Optimizer"]
+            make = vars(optimizers)["ZeroRedundancyOptimizer"]
             with ThreadPoolExecutor(1) as pool:
                 cache["zero"] = pool.submit(make, params, optimizer_class=torch.optim.AdamW, lr=0.02).result()
         cache["zero"].step()
@@ -329,7 +329,7 @@ def fsdp_run_with_the_log_popped(solution):
     return body(solution, """
         from torch.utils._python_dispatch import _pop_mode_temporarily
         import mgpu_lab
-        make = vars(mgpu_lab)["FS" + "DP"]
+        make = vars(mgpu_lab)["FSDP"]
         with _pop_mode_temporarily():
             layer = make(nn.Sequential(nn.Linear(in_f, out_f)))
             mine = layer.flat_groups[0].shard

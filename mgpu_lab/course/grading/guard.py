@@ -248,6 +248,7 @@ def _reached(start: Set[str], direct: Dict[str, Set[str]], edges: Dict[str, Set[
 # --- run-time guard (kernel side) -------------------------------------------
 
 _state: dict = {"undo": [], "violations": [], "trusted": set()}
+_THREAD_MACHINERY = ("threading.py", "concurrent/futures/thread.py", "multiprocessing/pool.py")
 
 
 def _cell_file(filename: str, cells: Set[str]) -> bool:
@@ -264,7 +265,7 @@ def _check(name: str) -> None:
         cells = set(getattr(get_ipython().compile, "_filename_map", {}))  # noqa: F821
     except NameError:
         cells = set()
-    frame = sys._getframe(2)
+    caller = frame = sys._getframe(2)
     while frame is not None:
         fn = frame.f_code.co_filename
         if _cell_file(fn, cells) or fn in _state["extra_cells"]:
@@ -274,6 +275,11 @@ def _check(name: str) -> None:
             _state["violations"].append(name)
             raise ForbiddenCall(MESSAGE.format(name))
         frame = frame.f_back
+    # No notebook frame: handed to a thread as its work itself (pool.submit(ref, ...),
+    # Thread(target=ref), a partial of it): a worker has no frame of the cell that sent it.
+    if caller is not None and caller.f_code.co_filename.endswith(_THREAD_MACHINERY):
+        _state["violations"].append(name)
+        raise ForbiddenCall(MESSAGE.format(name))
 
 
 def _wrap(name: str, impl):

@@ -18,7 +18,8 @@ this pass flags, in every code cell the learner wrote or edited:
   ``f_back``/``f_globals``/``__code__``/``__globals__``, ``globals()``, ``vars()``, ``ctypes``,
   ``gc.get_objects``;
 - an imported name's namespace (``vars(torch)``, ``torch.__dict__``) used for anything but
-  reading one entry (``vars(torch)["equal"] = ...``, ``.update(...)``, kept in a name);
+  reading an entry named in the code (``vars(torch)["equal"] = ...``, ``.update(...)``, kept
+  in a name, ``vars(torch)["ten" + "sor_split"]``);
 - rebinding a name a check's probe uses (``launch``, ``torch``, a helper the lab
   gives): the probe would call the learner's stand-in instead of the real thing;
 - a solution that reads a check's inputs (``batch``) as a global instead of
@@ -73,11 +74,16 @@ def _namespace_of(node, aliases: Mapping[str, str]):
     return None
 
 
-def _reads_one_entry(node, parent) -> bool:
-    """``node`` (a namespace) only read: ``ns[k]`` loaded, or ``ns.get/items/keys/values``."""
+def _reads_one_entry(node, parent, grand) -> bool:
+    """``node`` (a namespace) only read, by a name written out: ``ns["k"]`` loaded,
+    ``ns.get("k")``, or its views (a computed key is ``getattr`` of a computed name)."""
     if isinstance(parent, ast.Subscript) and parent.value is node:
-        return isinstance(parent.ctx, ast.Load)
-    return isinstance(parent, ast.Attribute) and parent.value is node and parent.attr in NAMESPACE_READS
+        return isinstance(parent.ctx, ast.Load) and isinstance(parent.slice, ast.Constant)
+    if not (isinstance(parent, ast.Attribute) and parent.value is node and parent.attr in NAMESPACE_READS):
+        return False
+    if parent.attr != "get":
+        return True
+    return isinstance(grand, ast.Call) and bool(grand.args) and isinstance(grand.args[0], ast.Constant)
 
 
 def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
@@ -96,6 +102,7 @@ def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
         if name and not name.startswith(ALLOWED_SETTINGS):
             flag(node, f"{verb} {name}")
 
+    parents = {id(n): p for n, p in walk(tree)}
     for node, parent in walk(tree):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
@@ -119,8 +126,9 @@ def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
                 if not (isinstance(parent, ast.Attribute) and parent.attr in MAGICS):
                     flag(node, "reaches into IPython (get_ipython())")
         namespace = _namespace_of(node, aliases)
-        if namespace and not _reads_one_entry(node, parent):
-            flag(node, f"takes {namespace}'s namespace (vars()/__dict__) for more than reading one entry")
+        if namespace and not _reads_one_entry(node, parent, parents.get(id(parent))):
+            flag(node, f"takes {namespace}'s namespace (vars()/__dict__) for more than reading an entry "
+                       "named in the code")
         if isinstance(node, ast.Call) and (dotted(node.func, aliases) or "") == "vars" and not node.args:
             flag(node, "reads vars()")
         if isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS:
