@@ -813,6 +813,11 @@ def test_h3_what_a_report_may_say_about_a_kernel_error_without_kernels():
     cells, graded = {2: (2, 3)}, (4, 6)
     assert kernel_error("ValueError", "secret 3 4", [(4, 1), (2, 3)], cells, graded, {"add"}) == (
         "ValueError", "raised at line 3 of cell 2 (your code)")
+    # called from a hidden probe line: the learner's line would tell which branch a hidden case took
+    assert kernel_error("ValueError", "x", [(4, 1), (2, 3)], cells, graded, set(), hidden={1}) == (
+        "ValueError", "raised in cell 2 (your code), on a hidden case of the check")
+    assert kernel_error("NameError", "name 'mul' is not defined", [(4, 3)], cells, graded, {"mul"},
+                        hidden={1, 2})[1] == "name 'mul' is not defined; raised in the check's probe, line 1"
     assert kernel_error("HIDDEN_3_4", "x", [(2, 1)], cells, graded, set()) == (
         "Exception", "raised at line 1 of cell 2 (your code)")
     assert kernel_error("NameError", "name 'mul' is not defined", [(4, 2)], cells, graded,

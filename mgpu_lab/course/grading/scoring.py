@@ -200,16 +200,32 @@ def kernel_error(error: str, message: str, frames: Iterable, cells: Dict[int, Tu
     if errno and issubclass(getattr(builtins, name, Exception), OSError):
         what.append(f"[errno {errno.group(1)}: {os.strerror(int(errno.group(1)))}]")
     where, line = _where(frames, cells, graded)
+    caller = _probe_caller(frames, graded)
     missing = _NOT_DEFINED.match(message or "")
     if where == "probe" and name == "NameError" and missing and missing.group(1) in set(probe_names):
         what.append(f"name '{missing.group(1)}' is not defined")
     if where == "probe" and line in set(hidden):
         what.append("raised in a hidden part of the check's probe")
-    elif where == "probe":
-        what.append(f"raised in the check's probe, line {line}")
-    elif where is not None:
+    elif where == "probe":          # numbered as the learner's copy, without the hidden lines
+        what.append(f"raised in the check's probe, line {line - sum(1 for h in set(hidden) if h < line)}")
+    elif where is not None and caller in set(hidden):    # which of its lines a hidden case
+        what.append(f"raised in cell {where} (your code), on a hidden case of the check")  # reached
+    elif where is not None:                                                 # could tell the case
         what.append(f"raised at line {line} of cell {where} (your code)")
     return name, "; ".join(what)
+
+
+def _probe_caller(frames, graded) -> Optional[int]:
+    """The line of the check's probe that called into the code that raised (its outermost
+    frame in the graded cell), or None."""
+    for frame in list(frames or []):
+        try:
+            index, line = int(frame[0]), int(frame[1])
+        except (TypeError, ValueError, IndexError):
+            continue
+        if index == graded[0] and 1 <= line <= graded[1]:
+            return line
+    return None
 
 
 def _where(frames, cells, graded):
