@@ -22,7 +22,7 @@ that empties the probe's results once its cell has ended, and its first referenc
 under another name from a thread-pool worker. The last two take the place of the mutant
 they are made from in the rounds (the copy's and the reference's own verdicts stand); the
 vacuity mutants fill the slots where an exercise keeps its solution, so the rounds grow
-little (121 notebooks instead of 106).
+little (121 notebooks instead of 106, when they came; 130 with the later labs' mutants).
 
 **No kill rests on the "must not call X" guard.** The run grades against a copy of the
 solutions without their ``reimplements`` metadata, so neither the static pass nor the

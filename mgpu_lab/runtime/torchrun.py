@@ -112,12 +112,12 @@ def oversubscription_note(nproc: int) -> Optional[str]:
 
 def run(args: argparse.Namespace) -> int:
     argv = torchrun_args(args)
+    if args.dry_run:                # the command only: it may be for another machine's cores
+        print(shlex.join(["torchrun", *argv]))
+        return 0
     note = oversubscription_note(default_nproc(args))
     if note:
         print(note, file=sys.stderr)
-    if args.dry_run:
-        print(shlex.join(["torchrun", *argv]))
-        return 0
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
