@@ -406,3 +406,25 @@ def attack_polyfit_in_a_child_python(solution):
                               capture_output=True, text=True, check=True)
         beta, alpha = json.loads(done.stdout)
     """)
+
+
+@mutant("ex2_ring", "copy")
+def states_copied_from_the_checks_helper(solution):
+    "no ring: every rank sends its whole tensor to every other, then reads the states off the check's left_ring_state"
+    return body(solution, """
+        mine = flat.clone()
+        xs, reqs = [None] * world, []
+        for r in range(world):
+            if r == rank:
+                xs[r] = mine
+            else:
+                xs[r] = torch.empty_like(flat)
+                reqs += [dist.isend(mine, r), dist.irecv(xs[r], r)]
+        for q in reqs:
+            q.wait()
+        states = [left_ring_state(xs, rank, i).to(flat.dtype) for i in range(2 * (world - 1))]
+        flat.copy_(states[-1])
+        sizes = [c.numel() for c in chunks]
+        sent = (2 * flat.numel() - sizes[(rank - 1) % world] - sizes[(rank - 2) % world]) * flat.element_size()
+        return sent, states
+    """)
