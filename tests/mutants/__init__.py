@@ -31,7 +31,8 @@ not the attacks on the grader, whose docstring starts "attack"): ``mgpu-lab labs
 --misconceptions`` stores the fingerprint of its results in the solution, and the feedback
 of an answer whose results match names it (``mgpu_lab/course/grading/misconceptions.py``)
 with its ``message=`` (default: the docstring) and ``section=`` (default: the lab's section
-above the exercise).
+above the exercise). ``learner=`` marks a misconception a learner was seen to have (a
+wrong attempt made working from the student notebook alone, kept in ``attempts/``).
 
 ``tests/test_mutants.py`` grades every lab with its mutants in place and requires a
 kill rate of 100 %: each mutant scores 0 on its exercise, for the right reason.
@@ -59,6 +60,7 @@ class Mutant:
     generated: bool = False
     message: str = ""      # a misconception's feedback, in the lab's words (default: mistake)
     section: str = ""      # the lab's section that explains it (default: the exercise's)
+    learner: str = ""      # where a learner made this mistake (see ``mutant``)
 
     @property
     def misconception(self) -> bool:
@@ -68,15 +70,19 @@ class Mutant:
         return self.kind == "wrong" and not re.match(r"(issue \d+ )?attack\b", self.mistake.lower())
 
 
-def mutant(exercise: str, kind: str, message: str = "", section: str = ""):
+def mutant(exercise: str, kind: str, message: str = "", section: str = "", learner: str = ""):
     """Register the decorated function as a mutant of ``exercise`` (its module's LAB);
-    ``message``, ``section``: how the feedback names it, where it is a misconception."""
+    ``message``, ``section``: how the feedback names it, where it is a misconception;
+    ``learner``: where a learner working from the student notebook alone made this mistake
+    (who, when, first attempt or an alternative considered), its attempt kept verbatim in
+    ``tests/mutants/attempts/`` (a misconception learners have, not only one mutation yields)."""
     assert kind in KINDS, kind
 
     def register(fn):
         lab = importlib.import_module(fn.__module__).LAB
         _REGISTRY.append(Mutant(lab, exercise, kind, fn.__name__,
-                                (fn.__doc__ or "").strip(), fn, message=message, section=section))
+                                (fn.__doc__ or "").strip(), fn, message=message, section=section,
+                                learner=learner))
         return fn
     return register
 
