@@ -193,3 +193,61 @@ def test_every_stored_misconception_is_a_wrong_mutant_of_its_exercise():
                     stale.append(f"{path.stem} {gid}: {m['id']}")
                 assert len(m["fingerprint"]) < 64_000 and m.get("message"), (path.stem, gid, m["id"])
     assert not stale, "misconceptions of no current wrong mutant:\n" + "\n".join(stale)
+
+
+# --- where no misconception matches: what was compared, and where it first differs ---------
+
+def _differs(answer, veiled=()):
+    from mgpu_lab.course.grading.misconceptions import answer_nodes, first_difference, reference
+    names = sorted(_answer())
+    ref = reference(_answer(), names, (), veiled)
+    paths, values = answer_nodes(answer, names, ref)
+    return first_difference(fingerprint(answer, names), paths, ref, values, veiled)
+
+
+def test_a_visible_difference_is_placed_with_expected_and_got():
+    b = _answer()
+    b["parts"][1][2, 1] += 0.5
+    said = _differs(b)
+    assert said.startswith("The check compared `count`, `half`, `loss`, `ok`, `parts` with the solution's")
+    want = float(_answer()["parts"][1][2, 1])
+    assert f"`parts[1]` is the first to differ: element 7 (counted flat, in order): expected {want:.6g}, " \
+           f"got {want + 0.5:.6g}." in said
+    c = _answer()
+    c["ok"] = False
+    assert "`ok` is the first to differ: another string, bool or None." in _differs(c)
+    assert _differs(_answer()) == ""                     # nothing the fingerprints hold differs
+
+
+def test_a_large_visible_case_gives_its_norm_and_a_hidden_one_only_the_kind():
+    b = _answer()
+    b["parts"][2] = b["parts"][2] * 2                    # 21 numbers: no element kept
+    said = _differs(b)
+    assert "`parts[2]` is the first to differ: values that differ beyond the tolerance (norm: expected" in said
+    hidden = _differs(b, veiled=("parts",))
+    assert hidden.endswith("a hidden case first differs: values that differ beyond the tolerance.")
+    assert "parts" not in hidden and "and the hidden check's results" in hidden
+    from mgpu_lab.course.grading.misconceptions import reference
+    assert not any(p.startswith("parts") for p in reference(_answer(), sorted(_answer()), (),
+                                                             ("parts",))["values"])
+
+
+def test_a_result_fed_by_hidden_lines_is_veiled():
+    from mgpu_lab.course.grading.hidden import fed_names
+    source = ("cases = [1, 2]\n### BEGIN HIDDEN TESTS\ncases.append(7)\n### END HIDDEN TESTS\n"
+              "mine = [f(c) for c in cases]\nshown = f(3)\n")
+    assert fed_names(source) >= {"cases", "mine"} and "shown" not in fed_names(source)
+
+
+def test_every_graded_cell_with_cases_stores_its_reference_and_where_each_misconception_is_caught():
+    missing = []
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for gid, cell in graded_cells(nb).items():
+            meta = cell.metadata.get("mgpu_lab", {})
+            if "expects" in meta and "fingerprint" not in (meta.get("reference") or {}):
+                missing.append(f"{path.stem} {gid}: no reference")
+            for m in meta.get("misconceptions", []):
+                if m.get("caught") not in ("visible", "hidden"):
+                    missing.append(f"{path.stem} {gid}: {m['id']} without 'caught'")
+    assert not missing, "rerun `mgpu-lab labs expects --misconceptions`:\n" + "\n".join(missing)

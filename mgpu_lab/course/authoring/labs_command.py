@@ -200,11 +200,15 @@ def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[
     the lab (:func:`lab_mutants`) graded twice by the real grader, the notebook cut after its
     exercise's last graded cell; a fingerprint stored for each graded cell of its exercise
     that it fails, unless its results are the solution's or an earlier misconception's
-    (within the tolerance), differ from one grading to the next, or did not come back. The grade ids whose misconceptions changed."""
+    (within the tolerance), differ from one grading to the next, or did not come back; with
+    which part of the check caught it (``caught``: "visible" or "hidden"). Also the
+    solution's own fingerprint (``reference``: what an answer that matches none is compared
+    with). The grade ids whose misconceptions or reference changed."""
     import copy
     from ..grading.cases import cases_of
     from ..grading.judge_pool import JudgePool
-    from ..grading.misconceptions import META, closest, distance, fingerprint
+    from ..grading.cases import REFERENCE
+    from ..grading.misconceptions import META, closest, distance, fingerprint, reference
     from ..grading.sandbox import Limits
     from ..grading.session import JUDGE_TIMEOUT, judge_environment
     from ..notebook.cells import exercise_of, graded_cells, nbgrader_meta
@@ -212,6 +216,7 @@ def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[
     clean = copy.deepcopy(nb)
     for cell in graded_cells(clean).values():
         cell.metadata.get("mgpu_lab", {}).pop(META, None)
+        cell.metadata.get("mgpu_lab", {}).pop(REFERENCE, None)
     tests, exercise, sections = graded_cells(clean), exercise_of(clean), exercise_sections(clean)
     cases = {gid: cases_of(cell) for gid, cell in tests.items()}
 
@@ -227,6 +232,8 @@ def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[
         if failed:
             raise RuntimeError(f"{path.name}: the solution fails its own checks: {failed}")
         right = {gid: prints(gid, a) for gid, a in answers.items()}
+        refs = {gid: reference(a, cases[gid].get("expects", a), cases[gid].get("free", ()),
+                               cases[gid].get("veiled", ())) for gid, a in answers.items()}
         for m in lab_mutants(path):
             mine = [g for g, ex in exercise.items() if ex == m.exercise]
             last = max(i for i, c in enumerate(clean.cells) if nbgrader_meta(c).get("grade_id") in mine)
@@ -259,15 +266,17 @@ def write_misconceptions(path: Path, timeout: float = 600.0, log=print) -> List[
                     continue
                 found[gid].append({"id": m.name, "message": m.message or m.mistake,
                                    "section": m.section or sections.get(m.exercise, ""),
-                                   "fingerprint": fp})
+                                   "caught": v.where or "hidden", "fingerprint": fp})
                 log(f"  {m.name} ({gid}): stored ({v.error}, {len(str(fp))} characters)")
     finally:
         pool.close()
     changed = []
     for gid, cell in graded_cells(nb).items():
         meta = cell.metadata.setdefault("mgpu_lab", {})
-        if meta.get(META, []) != found[gid]:
+        if meta.get(META, []) != found[gid] or meta.get(REFERENCE) != refs.get(gid):
             changed.append(gid)
+        if gid in refs and "expects" in cases[gid]:
+            meta[REFERENCE] = refs[gid]
         if found[gid]:
             meta[META] = found[gid]
         else:

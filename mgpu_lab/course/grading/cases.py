@@ -249,23 +249,30 @@ def names_read(judge_source: str) -> set:
 def cases_of(cell) -> dict:
     """What graded cell ``cell`` (the instructor's) asks for, as the judge takes it:
     ``{"expects", "free", "hidden"}`` and, where the solution stores some, its known
-    ``misconceptions`` (:mod:`.misconceptions`: ids and fingerprints); ``{}`` for a cell without ``expects`` (nothing checked)."""
+    ``misconceptions`` (:mod:`.misconceptions`: ids and fingerprints), the solution's
+    ``reference`` fingerprint, and ``veiled``: the results only hidden lines bind or feed
+    (:func:`.hidden.fed_names`); ``{}`` for a cell without ``expects`` (nothing checked)."""
     from ..notebook import graded_cell
     from ..notebook.cells import course_meta
     from ..notebook.notebooks import BEGIN_HIDDEN, strip_solution
     meta = course_meta(cell)
     if "expects" not in meta:
         return {}
-    hidden = None
+    from .hidden import fed_names
+    hidden, veiled = None, []
     if BEGIN_HIDDEN in cell.source:
         seen = set(graded_cell.bound_names(graded_cell.split(strip_solution(cell.source)).probe))
         hidden = sorted(set(meta["expects"]) - seen)
+        veiled = sorted(set(hidden) | (fed_names(cell.source) & set(meta["expects"])))
     known = [{"id": m["id"], "fingerprint": m["fingerprint"]} for m in stored_misconceptions(cell)]
+    ref = meta.get(REFERENCE)
     return {"expects": dict(meta["expects"]), "free": list(meta.get("free", {})), "hidden": hidden,
-            **({"misconceptions": known} if known else {})}
+            "veiled": veiled, **({"misconceptions": known} if known else {}),
+            **({"reference": ref} if isinstance(ref, dict) and "fingerprint" in ref else {})}
 
 
 MISCONCEPTIONS = "misconceptions"    # a graded cell's metadata.mgpu_lab key (:mod:`.misconceptions`)
+REFERENCE = "reference"              # and the solution's own fingerprint (:func:`.misconceptions.reference`)
 
 
 def stored_misconceptions(cell) -> List[dict]:

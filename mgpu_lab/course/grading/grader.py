@@ -289,6 +289,8 @@ def evidence(gid, cell, index, prepared, tampered, static, run) -> Evidence:
         if verdict.error and verdict.misconception:
             found.hint = misconception_hint(cell, verdict.misconception)
             found.misconception = verdict.misconception if found.hint else None
+        if verdict.error and not found.hint and verdict.differs:
+            found.hint = verdict.differs       # the judge's words: no hidden case's place or value
         if verdict.error == "AssertionError" and verdict.line and shows_hidden(cell.source,
                                                                                verdict.line):
             found.verdict_message = f"check line {line} failed ({WITHHELD})"

@@ -119,14 +119,10 @@ def _read(node) -> Set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
-def shows_hidden(source: str, line: int) -> bool:
-    """Does the message of the visible ``assert`` at ``line`` of the graded cell ``source``
-    format a name whose value the hidden lines fed at that point? Read top to bottom, one
-    top-level statement at a time: a statement with a hidden line, or one that reads a fed
-    name, feeds every name it binds or changes; any other rebinds its names clean."""
-    tree, hidden = parse(source), hidden_lines(source)
-    if tree is None or not hidden or line in hidden:
-        return False
+def _feeding(tree, hidden: Set[int]):
+    """``(statement, names fed after it)`` of a cell read top to bottom, one top-level
+    statement at a time: a statement with a hidden line, or one that reads a fed name,
+    feeds every name it binds or changes; any other rebinds its names clean."""
     local = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     fed: Set[str] = set()
     for stmt in statements(tree):
@@ -136,9 +132,32 @@ def shows_hidden(source: str, line: int) -> bool:
         else:
             fed = fed - {n.id for n in ast.walk(stmt)
                          if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        if stmt.lineno <= line <= end:
+        yield stmt, fed
+
+
+def shows_hidden(source: str, line: int) -> bool:
+    """Does the message of the visible ``assert`` at ``line`` of the graded cell ``source``
+    format a name whose value the hidden lines fed at that point (:func:`_feeding`)?"""
+    tree, hidden = parse(source), hidden_lines(source)
+    if tree is None or not hidden or line in hidden:
+        return False
+    for stmt, fed in _feeding(tree, hidden):
+        if stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno):
             target = next((n for n in ast.walk(stmt) if isinstance(n, ast.Assert)
                            and n.lineno <= line <= (n.end_lineno or n.lineno)), None)
             return bool(target is not None and target.msg is not None
                         and literal(target.msg) is None and _read(target.msg) & fed)
     return False
+
+
+def fed_names(source: str) -> Set[str]:
+    """The names of the graded cell ``source`` that its hidden lines feed at any point
+    (:func:`_feeding`): a visible result extended by hidden cases is one of them, and the
+    feedback treats it as hidden (:func:`.misconceptions.first_difference`)."""
+    tree, hidden = parse(source), hidden_lines(source)
+    if tree is None or not hidden:
+        return set()
+    out: Set[str] = set()
+    for _, fed in _feeding(tree, hidden):
+        out |= fed
+    return out

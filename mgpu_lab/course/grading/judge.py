@@ -47,6 +47,7 @@ ITEM_LIMIT = 2**20           # values (containers, numbers, strings...) in an an
 MEMORY_ENV = "MGPU_LAB_JUDGE_MEMORY"   # bytes of data the judge may hold (the sandbox's --memory)
 MEMORY_MESSAGE = "the check needed more memory than the grader allows (--memory)"
 VERDICT_LIMIT = 2000
+DIFFERS_LIMIT = 600     # characters of "what was compared and where it first differs"
 CASES = "WrongCases"         # the verdict when the answer does not hold the check's cases
 
 
@@ -198,10 +199,10 @@ def _failure(err: BaseException, missing: List[str], name: str, source: str = ""
     frames = traceback.extract_tb(err.__traceback__)
     secret = hidden.failure(source, kind, line, bool(frames) and frames[-1].filename == name)
     if secret is not None:
-        return Reply(False, secret[0], secret[1], None)
+        return Reply(False, secret[0], secret[1], None, where="hidden")
     if isinstance(err, AssertionError):
-        return Reply(False, kind, str(err)[:VERDICT_LIMIT], line)
-    return Reply(False, kind, "", line)
+        return Reply(False, kind, str(err)[:VERDICT_LIMIT], line, where="visible")
+    return Reply(False, kind, "", line, where="visible" if line else "")
 
 
 def main() -> int:
@@ -238,47 +239,63 @@ def judge_answer(ns: dict, req: Judge) -> Reply:
             missing.append(name)
     cases = req.cases or {}
     known = cases.get("misconceptions") if "expects" in cases else None
-    seen = _fingerprint(answer, missing, cases) if known else None   # before the check runs
+    ref = cases.get("reference") if "expects" in cases else None
+    seen = _fingerprint(answer, missing, cases) if known or ref else None   # before the check runs
     if "expects" in cases:              # exactly the names the solution sends, and their cases
         for name in set(answer) - set(cases["expects"]):
             ns.pop(name, None)
         problem = check_cases(cases["expects"], answer, cases.get("free", ()),
                               cases.get("hidden"), missing)
         if problem:
-            return _named(Reply(False, CASES, problem[:VERDICT_LIMIT]), seen, known)
+            where = "hidden" if problem.startswith("a hidden check's") else "visible"
+            return _named(Reply(False, CASES, problem[:VERDICT_LIMIT], where=where), seen, cases)
     name = f"<judge of {req.id}>"
     try:
         _run(req.source, ns, name)
         return Reply(True)
     except BaseException as err:  # the verdict: any exception fails the check
-        return _named(_failure(err, missing, name, req.source), seen, known)
+        return _named(_failure(err, missing, name, req.source), seen, cases)
 
 
 def _fingerprint(answer: dict, missing: List[str], cases: dict):
-    """The answer's fingerprint over the names the check reads (:mod:`.misconceptions`),
-    taken before the judge part runs (it may change the tensors it reads); None if it fails."""
-    from .misconceptions import could_match, fingerprint
+    """``(fingerprint, paths, values)`` of the answer over the names the check reads
+    (:mod:`.misconceptions`), taken before the judge part runs (it may change the tensors
+    it reads), where it has the containers of a known misconception or of the solution's
+    reference; None if not, or if it fails."""
+    from .misconceptions import answer_nodes, could_match, fingerprint
     try:
         sent = {k: v for k, v in answer.items() if k not in missing}
-        if not could_match(sent, cases["expects"], cases.get("misconceptions")):
+        ref = cases.get("reference")
+        shapes = list(cases.get("misconceptions") or []) + ([ref] if ref else [])
+        if not could_match(sent, cases["expects"], shapes):
             return None
-        return fingerprint(sent, cases["expects"], cases.get("free", ()))
+        paths, values = answer_nodes(sent, cases["expects"], ref, cases.get("free", ())) \
+            if ref else ([], {})
+        return fingerprint(sent, cases["expects"], cases.get("free", ())), paths, values
     except Exception:
         return None
 
 
-def _named(reply: Reply, seen, known) -> Reply:
-    """A failed verdict with the known misconception its answer matches, if any (never a
-    failure of the grader's: out of memory, a judge error)."""
-    from .misconceptions import closest
+def _named(reply: Reply, seen, cases: dict) -> Reply:
+    """A failed verdict with the known misconception its answer matches, if any, else
+    what was compared and where it first differs (:func:`.misconceptions.first_difference`;
+    a case mismatch says that itself; never on a failure of the grader's: out of memory, a
+    judge error)."""
+    from .misconceptions import closest, first_difference
     if seen is None or reply.ok or reply.error == "JudgeError":
         return reply
     try:
-        found = closest(seen, known)
+        found = closest(seen[0], cases.get("misconceptions"))
     except Exception:
         found = None
     if found is not None:
         reply.misconception = found[0]
+    elif cases.get("reference") and reply.error != CASES:
+        try:
+            reply.differs = first_difference(seen[0], seen[1], cases["reference"], seen[2],
+                                             cases.get("veiled") or ())[:DIFFERS_LIMIT]
+        except Exception:
+            reply.differs = ""
     return reply
 
 

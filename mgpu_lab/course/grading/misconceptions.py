@@ -51,8 +51,13 @@ The fingerprint is taken before the judge part runs (it may change the tensors i
 only where the cell has misconceptions and the answer has the containers and lengths of
 one (:func:`could_match`: its cost is bounded by the solution's cases).
 
-Left for later: where none matches, the feedback does not yet say what was compared and
-where it first differs (the check's own message says what it says).
+**Where none matches** (:func:`first_difference`): the solution's own fingerprint is stored
+too (``metadata.mgpu_lab.reference``, with the numbers of each visible case of at most
+:data:`VALUES` numbers), and the feedback says what the check compared (the results it reads,
+case by case) and where the answer first differs from the solution's, visible results first:
+for a visible case its path and the kind of difference, and for a small one the element,
+expected and got; for a hidden case (a result only hidden lines bind, or one they feed:
+:func:`.hidden.fed_names`) only the kind of difference, never its place or values.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ ATOL = 1e-9
 SHORT = 40                    # a string longer than this is kept as its hash
 DEPTH = 4                     # container levels whose items are cases of their own
 WIDE = 128                    # a container of more items is one case
+VALUES = 16                   # numbers of a visible case the reference keeps (element, expected)
 MESSAGE_LIMIT = 240           # characters of a misconception's message in feedback
 SECTION_LIMIT = 80
 from .cases import MISCONCEPTIONS as META    # the graded cell's metadata.mgpu_lab key
@@ -255,6 +261,165 @@ def could_match(answer: dict, names: Iterable[str], known: Iterable[dict]) -> bo
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError):
             continue
     return False
+
+
+def _walk(value, path: str, depth: int, patterns, out: list) -> None:
+    """``(path, value)`` of each of ``value``'s fingerprint nodes (:func:`_node`), in the
+    order :func:`_flat` lists them: a container's, then its items'."""
+    out.append((path, value))
+    if patterns and any(f.match(path) for f in patterns):
+        return
+    if depth < DEPTH and isinstance(value, (list, tuple, dict)) and 0 < len(value) <= WIDE:
+        if isinstance(value, dict):
+            for k in sorted(value, key=repr):
+                _walk(value[k], f"{path}[{k!r}]", depth + 1, patterns, out)
+        else:
+            for i, v in enumerate(value):
+                _walk(v, f"{path}[{i}]", depth + 1, patterns, out)
+
+
+def _flat(node, out: list) -> None:
+    """A fingerprint node's nodes in order: a container as ``("[", n)`` / ``("{keys", n)``,
+    then its items; a case as its entry."""
+    if _container(node):
+        out.append((node[0], len(node) - 1))
+        for item in node[1:]:
+            _flat(item, out)
+    else:
+        out.append(node)
+
+
+def numbers(value) -> Optional[List[float]]:
+    """The numbers of one case in the order a fingerprint reads them (None: more than
+    :data:`VALUES`, or not numbers)."""
+    case = _Case(())
+    case.add(value, None)
+    out: List[float] = []
+    for c in case.chunks:
+        n = len(c) if isinstance(c, list) else c.numel()
+        if len(out) + n > VALUES:
+            return None
+        out += [float(v) for v in (c if isinstance(c, list) else c.to(dtype=case.torch.float64).tolist())]
+    return out
+
+
+def reference(answer: dict, names: Iterable[str], free=(), veiled=()) -> dict:
+    """What the solution's results are compared by when no misconception matches:
+    ``{"fingerprint": its fingerprint, "values": {path: numbers}}``, the numbers of each case
+    of a visible name (not in ``veiled``) that has at most :data:`VALUES` of them."""
+    from .cases import free_patterns
+    names, patterns = sorted(names), free_patterns(free)
+    values = {}
+    for name in names:
+        if name in veiled or name not in answer:
+            continue
+        walked, nodes = [], []
+        _walk(answer[name], name, 0, patterns, walked)
+        _flat(_node(answer[name], name, 0, patterns), nodes)
+        for (path, value), node in zip(walked, nodes):
+            if isinstance(node, list):
+                found = numbers(value)
+                if found:
+                    values[path] = [float(f"{v:.8g}") for v in found]
+    return {"fingerprint": fingerprint(answer, names, free), "values": values}
+
+
+def answer_nodes(answer: dict, names: Iterable[str], ref: dict, free=()):
+    """``(paths, values)``: the paths of the answer's fingerprint nodes, name by name in
+    sorted order, and its numbers at the reference's small visible cases (taken, as the
+    fingerprint is, before the judge part runs)."""
+    from .cases import free_patterns
+    patterns, walked = free_patterns(free), []
+    for name in sorted(names):
+        if name in answer:
+            _walk(answer[name], name, 0, patterns, walked)
+    wanted = (ref or {}).get("values", {})
+    values = {}
+    for path, value in walked:
+        if path in wanted:
+            found = numbers(value)
+            if found is not None:
+                values[path] = found
+    return [p for p, _ in walked], values
+
+
+_KINDS = {"structure": "another type, shape, dtype, length or key",
+          "leaf": "another string, bool or None",
+          "nan": "NaN or infinite values where the solution's have another count",
+          "values": "values that differ beyond the tolerance"}
+
+
+def first_difference(mine: str, paths: List[str], ref: dict, values: Dict[str, List[float]],
+                     veiled: Iterable[str] = ()) -> str:
+    """What the check compared and where the answer's results (fingerprint ``mine``, its
+    nodes' ``paths``, its small visible cases' ``values``) first differ from the solution's
+    (``ref``, :func:`reference`), visible results first; "" when no difference is seen
+    (the check failed on what the fingerprints do not hold). A result in ``veiled`` is
+    described by the kind of difference only."""
+    import json
+    a, b = json.loads(ref["fingerprint"]), json.loads(mine)
+    veiled = set(veiled)
+    names = sorted(a, key=lambda n: (n in veiled, n))
+    shown = [f"`{n}`" for n in names if n not in veiled]
+    hidden = len(names) - len(shown)
+    what = ", ".join(shown) + (" and " if shown and hidden else "") + (
+        "the hidden check's results" if hidden else "")
+    said = f"The check compared {what} with the solution's, case by case: "
+    starts = _starts(paths)
+    for name in names:
+        x, y = [], []
+        _flat(a.get(name), x)
+        _flat(b.get(name), y)
+        for i, (r, m) in enumerate(zip(x, y)):
+            kind = _differs(r, m)
+            if kind is None:
+                continue
+            if name in veiled:
+                return said + f"a hidden case first differs: {_KINDS[kind]}."
+            base = starts.get(name)
+            path = paths[base + i] if base is not None and base + i < len(paths) else name
+            return said + f"`{path}` is the first to differ: " + _detail(kind, r, m, ref, values, path)
+        if len(x) != len(y):
+            return said + (f"`{name}`" if name not in veiled else "a hidden result") + \
+                f" first differs: {_KINDS['structure']}."
+    return ""
+
+
+def _starts(paths: List[str]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for i, p in enumerate(paths):
+        out.setdefault(p.split("[", 1)[0], i)
+    return out
+
+
+def _differs(r, m) -> Optional[str]:
+    if r == m:
+        return None
+    if isinstance(r, tuple) or isinstance(m, tuple) or isinstance(r, str) or isinstance(m, str) \
+            or r is None or m is None:
+        return "structure"
+    if r[0] != m[0] or len(r[3]) != len(m[3]):
+        return "structure"
+    if r[1] != m[1]:
+        return "leaf"
+    if r[4:] != m[4:]:
+        return "nan"
+    return "values" if _entry_distance(r, m) > 1.0 else None
+
+
+def _detail(kind: str, r, m, ref: dict, values: dict, path: str) -> str:
+    if kind != "values":
+        return _KINDS[kind] + "."
+    want, got = (ref.get("values") or {}).get(path), values.get(path)
+    if want is not None and got is not None and len(want) == len(got):
+        rtol = max(float(r[2]), float(m[2]))
+        for i, (x, y) in enumerate(zip(want, got)):
+            if _close(x, y, rtol) > 1.0:
+                where = f"element {i} (counted flat, in order)" if len(want) > 1 else "its value"
+                return f"{where}: expected {x:.6g}, got {y:.6g}."
+    if len(r[3]) == PROJECTIONS + 1:
+        return f"{_KINDS[kind]} (norm: expected {r[3][0]:.6g}, got {m[3][0]:.6g})."
+    return _KINDS[kind] + "."
 
 
 # --- matching ---------------------------------------------------------------------------

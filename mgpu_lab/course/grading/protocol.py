@@ -178,6 +178,8 @@ class Reply:
     ship: Dict[str, str] = field(default_factory=dict)
     drop: List[str] = field(default_factory=list)
     misconception: Optional[str] = None   # a failed check: the known one its answer matches
+    differs: str = ""              # else: what was compared and where it first differs
+    where: str = ""                # which part caught it: "visible", "hidden" ("": neither)
 
 
 KINDS = {cls.__name__: cls for cls in (Header, Need, Probe, Answer, Results, StartKernel,

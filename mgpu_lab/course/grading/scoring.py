@@ -49,7 +49,8 @@ class ExerciseScore:
     observed: str = ""        # what the check observes inside the kernel (not tamper-proof)
     title: str = ""           # the exercise's title, from the notebook's heading
     misconception: Optional[str] = None   # the known misconception its answer showed (an id)
-    hint: str = ""            # what the feedback says of it (:func:`.misconceptions.hint`)
+    hint: str = ""            # what the feedback says of it (:func:`.misconceptions.hint`), or
+                              # where none matched, what was compared and where it differs
 
     def outcome(self) -> str:
         """What every report says of it (feedback, Gradescope, PrairieLearn): "passed",
@@ -137,7 +138,7 @@ def score(grade_id: str, points: float, evidence: Evidence, observed: str = "") 
         error, message = evidence.error, evidence.message
     elif evidence.judged:
         error, message = evidence.verdict, evidence.verdict_message if evidence.verdict else ""
-        if error and evidence.misconception:         # the judge's verdict decides: name it
+        if error and (evidence.misconception or evidence.hint):   # the judge's verdict: name it
             return ExerciseScore(grade_id, 0.0, float(points), error,
                                  brief(message or "", MESSAGE_LIMIT),
                                  observed, misconception=evidence.misconception,

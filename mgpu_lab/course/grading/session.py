@@ -50,6 +50,8 @@ class Verdict:
     message: str = ""
     line: Optional[int] = None
     misconception: Optional[str] = None   # the known misconception its answer matches
+    differs: str = ""          # else: what was compared and where it first differs
+    where: str = ""            # which part of the check caught it: "visible", "hidden"
 
 
 @dataclass
@@ -214,7 +216,8 @@ def converse(channel: Channel, judges: Judges, prepared: Prepared, parts: dict,
                 reply = judges.ask("verdict", prepared.graded[i], parts[i].judge, msg.names,
                                    msg.missing, cases.get(i))
                 out.verdicts[i] = Verdict(None if reply.ok else reply.error, reply.message,
-                                          reply.line, None if reply.ok else reply.misconception)
+                                          reply.line, None if reply.ok else reply.misconception,
+                                          "" if reply.ok else reply.differs, reply.where)
             except JudgeError as err:
                 out.verdicts[i] = Verdict("JudgeError", str(err))
         elif isinstance(msg, Results):

@@ -125,11 +125,11 @@ def asserts_without_message(nb) -> List[str]:
 
 def lab_version(nb) -> str:
     """A short hash of what the grader runs of the instructor's notebook: each graded cell
-    (id, points, source, reimplements/observed; not the grader's ``expects``, ``free`` and
-    ``misconceptions``, which the learner's notebook does not carry) and each setup cell."""
+    (id, points, source, reimplements/observed; not the grader's ``expects``, ``free``,
+    ``misconceptions`` and ``reference``, which the learner's notebook does not carry) and each setup cell."""
     parts = [[gid, nbgrader_meta(c).get("points"), c.source,
               {k: v for k, v in course_meta(c).items()
-               if k not in ("expects", "free", "misconceptions")}]
+               if k not in ("expects", "free", "misconceptions", "reference")}]
              for gid, c in graded_cells(nb).items()] + setup_sources(nb)
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
