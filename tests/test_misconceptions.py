@@ -251,3 +251,13 @@ def test_every_graded_cell_with_cases_stores_its_reference_and_where_each_miscon
                 if m.get("caught") not in ("visible", "hidden"):
                     missing.append(f"{path.stem} {gid}: {m['id']} without 'caught'")
     assert not missing, "rerun `mgpu-lab labs expects --misconceptions`:\n" + "\n".join(missing)
+
+
+def test_every_graded_cell_has_its_own_title():
+    """Lab 10's exercise 4 is graded by two cells: each line of a feedback file is titled."""
+    from mgpu_lab.course.notebook.exercises import titles
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        named = titles(nbformat.read(path, as_version=4))
+        assert len(set(named.values())) == len(named), path.stem
+    ten = titles(nbformat.read(ROOT / "solutions" / "10_sharding.ipynb", as_version=4))
+    assert ten["ex4_unit_backward_comm_test"].endswith("(check 2 of 2)")

@@ -79,10 +79,14 @@ def title(heading: str) -> str:
 
 def titles(nb) -> Dict[str, str]:
     """``{graded grade_id: its exercise's title}`` (where no heading names an exercise: the
-    exercise cell's grade_id)."""
+    exercise cell's grade_id); an exercise graded by several cells titles each "(check k of
+    n)", so that every line of a report or feedback file has its own title."""
     exercise = exercise_of(nb)
-    return {gid: title(h) if "exercise" in h.lower() else (exercise.get(gid) or gid)
-            for gid, h in exercise_headings(nb).items()}
+    named = {gid: title(h) if "exercise" in h.lower() else (exercise.get(gid) or gid)
+             for gid, h in exercise_headings(nb).items()}
+    shared = {t: [g for g in named if named[g] == t] for t in set(named.values())}
+    return {gid: t if len(shared[t]) == 1 else f"{t} (check {shared[t].index(gid) + 1} of "
+            f"{len(shared[t])})" for gid, t in named.items()}
 
 
 def points_mismatches(nb) -> List[str]:
