@@ -14,15 +14,19 @@ et al. 2022, appendix B; the formula nanoGPT and torchtitan report)::
   mask leaves half the products unused.
 
 Activation recompute runs part of the forward again: *hardware* FLOPs grow, *model*
-FLOPs do not, so MFU does not reward recomputing. ``count_flops`` counts the FLOPs a
+FLOPs do not. **HFU** (hardware FLOPs utilisation) counts the FLOPs issued, recompute
+included; **MFU** counts only the model's, so it does not reward recomputing (PaLM,
+appendix B; Korthikanti et al. 2022, section 6). ``count_flops`` counts the FLOPs a
 function really issues (``torch.utils.flop_counter.FlopCounterMode``: every matmul and
 attention kernel, norms and element-wise ops aside) to check the formula on a real model.
 
-**MFU** = achieved model FLOP/s ÷ peak FLOP/s. The peak is *measured*
-(``measure_peak_flops``: large matmuls in the training dtype, back to back), never read
-from a datasheet: a laptop core, a shared CPU and an H100 (989 TFLOP/s dense bf16 on
-paper, about 600-700 measured) each have their own. Measure it under the same conditions
-as the run (the same number of processes sharing the machine).
+**MFU** = achieved model FLOP/s ÷ the hardware's *theoretical* peak FLOP/s, its datasheet
+figure (PaLM, appendix B; torchtitan's ``get_peak_flops``): :func:`datasheet_peak_flops`
+knows a few accelerators (H100 SXM: 989 TFLOP/s dense bf16). A CPU has no such figure, so
+the labs divide by a rate *measured* here (``measure_peak_flops``: matmuls in the training
+dtype, back to back, under the same conditions as the run) and call the ratio what it is:
+the *fraction of the measured matmul rate*, higher than MFU would be (large bf16 matmuls
+measure well below the datasheet's figure).
 """
 from __future__ import annotations
 
@@ -85,9 +89,27 @@ def measure_peak_flops(device=None, dtype: torch.dtype = torch.float32, size: in
             return 2.0 * size ** 3 * reps / elapsed
 
 
+# Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), the figures
+# torchtitan's get_peak_flops uses; more specific names first.
+DATASHEET_BF16 = ((("h100", "nvl"), 835e12), (("h100", "pcie"), 756e12), (("h100",), 989e12),
+                  (("h200", "nvl"), 836e12), (("h200",), 989e12), (("a100",), 312e12),
+                  (("b200",), 2.25e15))
+
+
+def datasheet_peak_flops(device_name: str) -> Optional[float]:
+    """The datasheet's dense bf16 peak FLOP/s of an accelerator named ``device_name``
+    (``torch.cuda.get_device_name()``), or None when it is not one this table knows (a CPU)."""
+    name = str(device_name).lower()
+    for words, flops in DATASHEET_BF16:
+        if all(w in name for w in words):
+            return flops
+    return None
+
+
 def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float, devices: int = 1) -> float:
     """Model FLOPs utilisation: the model FLOP/s achieved over what ``devices`` devices of
-    ``peak_flops`` each could do."""
+    ``peak_flops`` each could do (MFU proper with the datasheet peak,
+    :func:`datasheet_peak_flops`; with a measured rate, the fraction of that rate)."""
     if peak_flops <= 0 or devices < 1:
         raise ValueError(f"peak_flops must be > 0 and devices >= 1, got {peak_flops!r}, {devices!r}")
     return tokens_per_second * flops_per_token / (peak_flops * devices)
