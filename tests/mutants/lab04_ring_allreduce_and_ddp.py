@@ -25,9 +25,9 @@ def the_formula_for_every_size(solution):
 
 
 @mutant("ex1_bytes", "wrong",
-        message="counts the biggest chunk, ceil(numel / N) elements, in each of the 2(N-1) steps: no rank sends the "
-                "biggest chunk every step; each sends every chunk but one in each phase (2S minus two chunks of its "
-                "own), and the busiest is the one whose two left-out chunks are the smallest",
+        message="counts the biggest chunk, ceil(numel / N) elements, in each of the 2(N-1) steps: each rank sends "
+                "every chunk but one in each phase (2S minus two chunks of its own), so the busiest rank is the one "
+                "that leaves out the two smallest",
         section="3. The ring: everyone talks to a neighbour",
         learner="learnB, 2026-12-05, considered: attempts/lab04/ex1_bytes-1.py")
 def biggest_chunk_every_step(solution):
