@@ -176,6 +176,30 @@ def test_no_fingerprint_is_taken_of_an_answer_with_other_case_counts():
     assert not could_match({"parts": 1}, names, known)
 
 
+
+def test_no_fingerprint_is_taken_where_the_answer_splits_one_case_into_many():
+    """A container where the solution has one case (a tensor) would be split into cases of
+    its own, down to DEPTH: a million one-number cases cost the judge its 120 s time limit
+    (a JudgeError) before the case check refused them; now no fingerprint is taken."""
+    import time
+    from mgpu_lab.course.grading.misconceptions import could_match
+    known = [{"id": "m", "fingerprint": fingerprint(_answer())}]
+    names = ["parts", "count", "ok", "loss", "half"]
+    split = _answer()
+    split["parts"][0] = [[[0.0] * 64 for _ in range(128)] for _ in range(60)]   # 491,520 cases
+    start = time.monotonic()
+    assert not could_match(split, names, known)
+    assert time.monotonic() - start < 1.0
+    keyed = _answer()
+    keyed["parts"][1] = {"k" * 1000: keyed["parts"][1]}                  # a chosen key, kept in a path
+    assert not could_match(keyed, names, known)
+    deep = _answer()
+    deep["parts"][2] = [deep["parts"][2]]
+    assert not could_match(deep, names, known)
+    wide = _answer()
+    wide["count"] = list(range(200))                   # still one case in a fingerprint: 3 items asked
+    assert not could_match(wide, names, known)
+
 def test_every_stored_misconception_is_a_wrong_mutant_of_its_exercise():
     """A mutant renamed or removed leaves no misconception behind (rerun
     ``mgpu-lab labs expects --misconceptions``)."""
@@ -205,14 +229,23 @@ def _differs(answer, veiled=()):
     return first_difference(fingerprint(answer, names), paths, ref, values, veiled)
 
 
-def test_a_visible_difference_is_placed_with_expected_and_got():
+def test_a_visible_difference_is_placed_with_its_expected_value_never_the_answers():
+    """The answer's own number is never said: the learner's code computed it in the
+    grader's kernel, where the hidden inputs are (an attack returned 9011.06 for a visible
+    case, the hidden batches' rows 9 and 11 and a hidden value, and the feedback said it)."""
     b = _answer()
     b["parts"][1][2, 1] += 0.5
     said = _differs(b)
     assert said.startswith("The check compared `count`, `half`, `loss`, `ok`, `parts` with the solution's")
     want = float(_answer()["parts"][1][2, 1])
-    assert f"`parts[1]` is the first to differ: element 7 (counted flat, in order): expected {want:.6g}, " \
-           f"got {want + 0.5:.6g}." in said
+    assert said.endswith(f"`parts[1]` is the first to differ: element 7 (counted flat, in order): "
+                         f"expected {want:.6g}.")
+    leak = _answer()
+    leak["parts"][0][0, 0] = 9011.06
+    assert "9011" not in _differs(leak) and "got" not in _differs(leak)
+    big = _answer()
+    big["parts"][2] = big["parts"][2] * 2 + 7654.321                      # 21 numbers: the norm
+    assert "7654" not in _differs(big) and "got" not in _differs(big)
     c = _answer()
     c["ok"] = False
     assert "`ok` is the first to differ: another string, bool or None." in _differs(c)
@@ -223,7 +256,7 @@ def test_a_large_visible_case_gives_its_norm_and_a_hidden_one_only_the_kind():
     b = _answer()
     b["parts"][2] = b["parts"][2] * 2                    # 21 numbers: no element kept
     said = _differs(b)
-    assert "`parts[2]` is the first to differ: values that differ beyond the tolerance (norm: expected" in said
+    assert "`parts[2]` is the first to differ: values that differ beyond the tolerance (its norm: expected" in said
     hidden = _differs(b, veiled=("parts",))
     assert hidden.endswith("a hidden case first differs: values that differ beyond the tolerance.")
     assert "parts" not in hidden and "and the hidden check's results" in hidden

@@ -55,8 +55,10 @@ one (:func:`could_match`: its cost is bounded by the solution's cases).
 too (``metadata.mgpu_lab.reference``, with the numbers of each visible case of at most
 :data:`VALUES` numbers), and the feedback says what the check compared (the results it reads,
 case by case) and where the answer first differs from the solution's, visible results first:
-for a visible case its path and the kind of difference, and for a small one the element,
-expected and got; for a hidden case (a result only hidden lines bind, or one they feed:
+for a visible case its path and the kind of difference, and for a small one the element and
+its expected value (never the answer's own number: the learner's code computed it in the
+grader's kernel, where it can read the hidden inputs, so "got" would carry them out, as an
+exception's message would: docs/INSTRUCTORS.md); for a hidden case (a result only hidden lines bind, or one they feed:
 :func:`.hidden.fed_names`) only the kind of difference, never its place or values.
 """
 from __future__ import annotations
@@ -229,20 +231,24 @@ def _container(node) -> bool:
     return isinstance(node, list) and bool(node) and isinstance(node[0], str) and node[0][:1] in "[{"
 
 
-def _skeleton_fits(node, value) -> bool:
+def _skeleton_fits(node, value, depth: int = 0) -> bool:
     """Whether ``value`` has the containers and lengths of fingerprint ``node`` (a walk as
-    long as the stored fingerprint, whatever ``value`` holds)."""
+    long as the stored fingerprint, whatever ``value`` holds): where ``node`` is one case,
+    ``value`` must be one case too, not a container :func:`_node` would split into cases
+    of their own (an answer of a million one-number cases where the solution has one
+    tensor cost the judge its time limit in fingerprints and paths)."""
     if not _container(node):
-        return True
+        return not (isinstance(node, list) and depth < DEPTH
+                    and isinstance(value, (list, tuple, dict)) and 0 < len(value) <= WIDE)
     if node[0] == "[":
         if not isinstance(value, (list, tuple)) or len(value) != len(node) - 1:
             return False
-        return all(_skeleton_fits(n, v) for n, v in zip(node[1:], value))
+        return all(_skeleton_fits(n, v, depth + 1) for n, v in zip(node[1:], value))
     if not isinstance(value, dict) or len(value) != len(node) - 1:
         return False
     keys = sorted(value, key=repr)
     return node[0] == "{" + _hash([_short(k) for k in keys]) and all(
-        _skeleton_fits(n, value[k]) for n, k in zip(node[1:], keys))
+        _skeleton_fits(n, value[k], depth + 1) for n, k in zip(node[1:], keys))
 
 
 def could_match(answer: dict, names: Iterable[str], known: Iterable[dict]) -> bool:
@@ -416,9 +422,9 @@ def _detail(kind: str, r, m, ref: dict, values: dict, path: str) -> str:
         for i, (x, y) in enumerate(zip(want, got)):
             if _close(x, y, rtol) > 1.0:
                 where = f"element {i} (counted flat, in order)" if len(want) > 1 else "its value"
-                return f"{where}: expected {x:.6g}, got {y:.6g}."
+                return f"{where}: expected {x:.6g}."      # not the answer's: it can carry hidden inputs
     if len(r[3]) == PROJECTIONS + 1:
-        return f"{_KINDS[kind]} (norm: expected {r[3][0]:.6g}, got {m[3][0]:.6g})."
+        return f"{_KINDS[kind]} (its norm: expected {r[3][0]:.6g})."
     return _KINDS[kind] + "."
 
 
