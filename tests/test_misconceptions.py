@@ -252,6 +252,28 @@ def test_a_visible_difference_is_placed_with_its_expected_value_never_the_answer
     assert _differs(_answer()) == ""                     # nothing the fingerprints hold differs
 
 
+
+def test_a_small_case_within_its_element_tolerance_but_not_its_projections_names_an_element():
+    """Every element within 0.1 % (float32's tolerance) but signed along a projection's weights:
+    the case differs; the sentence named no element, only a norm equal to 4 digits (lab 00's
+    mine[26][5] so changed: 'values that differ beyond the tolerance (norm: expected 2.1376,
+    got 2.13691)')."""
+    from mgpu_lab.course.grading.misconceptions import (PROJECTIONS, _base, _chunk_factor,
+                                                        answer_nodes, first_difference, reference)
+    torch.manual_seed(0)                                   # lab 00 ex1's visible batches
+    batches = [torch.randn(B, 3) for B in range(1, 11) for _ in range(1, B + 1)]
+    v = batches[26][5:7]                                   # B=7 over 6 ranks: rank 5's 2 rows
+    w = _base(6) * torch.tensor([_chunk_factor(0, j) for j in range(PROJECTIONS)],
+                                dtype=torch.float64)[:, None]
+    flat = v.reshape(-1).double()
+    j = int((w.abs() * flat.abs()).sum(1).argmax())
+    right = {"v": v}
+    wrong = {"v": v * (1 + 0.995e-3 * torch.sign(w[j] * flat)).float().reshape(2, 3)}
+    ref = reference(right, ["v"])
+    paths, values = answer_nodes(wrong, ["v"], ref)
+    said = first_difference(fingerprint(wrong, ["v"]), paths, ref, values)
+    assert "`v` is the first to differ: element " in said and "norm" not in said, said
+
 def test_a_large_visible_case_gives_its_norm_and_a_hidden_one_only_the_kind():
     b = _answer()
     b["parts"][2] = b["parts"][2] * 2                    # 21 numbers: no element kept

@@ -419,10 +419,13 @@ def _detail(kind: str, r, m, ref: dict, values: dict, path: str) -> str:
     want, got = (ref.get("values") or {}).get(path), values.get(path)
     if want is not None and got is not None and len(want) == len(got):
         rtol = max(float(r[2]), float(m[2]))
-        for i, (x, y) in enumerate(zip(want, got)):
-            if _close(x, y, rtol) > 1.0:
-                where = f"element {i} (counted flat, in order)" if len(want) > 1 else "its value"
-                return f"{where}: expected {x:.6g}."      # not the answer's: it can carry hidden inputs
+        far = [_close(x, y, rtol) for x, y in zip(want, got)]
+        # the first element past the tolerance; else (every element within it, their sum
+        # of projections not) the farthest: the case differs, and some element must be named
+        i = next((k for k, d in enumerate(far) if d > 1.0), max(range(len(far)), key=far.__getitem__, default=None))
+        if i is not None and far[i] > 0.0:
+            where = f"element {i} (counted flat, in order)" if len(want) > 1 else "its value"
+            return f"{where}: expected {want[i]:.6g}."   # not the answer's: it can carry hidden inputs
     if len(r[3]) == PROJECTIONS + 1:
         return f"{_KINDS[kind]} (its norm: expected {r[3][0]:.6g})."
     return _KINDS[kind] + "."
