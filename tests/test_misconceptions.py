@@ -199,6 +199,18 @@ def test_no_fingerprint_is_taken_where_the_answer_splits_one_case_into_many():
     wide = _answer()
     wide["count"] = list(range(200))                   # still one case in a fingerprint: 3 items asked
     assert not could_match(wide, names, known)
+    from mgpu_lab.course.grading.judge import checked
+    chunks = _answer()                                 # one case (> WIDE items) of 500,000 one-number
+    start = time.monotonic()                           # lists: its fingerprint took 95 s
+    chunks["parts"][1] = checked([[[float(i)] for i in range(2500)] for _ in range(200)])
+    loading = time.monotonic() - start                 # what the judge spends to load it anyway
+    start = time.monotonic()
+    assert not could_match(chunks, names, known)
+    assert time.monotonic() - start < 3 * loading + 1.0
+    retyped = _answer()
+    retyped["half"] = retyped["half"].float()          # another dtype: no case of it can match
+    assert not could_match(retyped, names, known)
+    assert could_match(_answer(scale=2.0), names, known)   # other values, the same signatures
 
 def test_every_stored_misconception_is_a_wrong_mutant_of_its_exercise():
     """A mutant renamed or removed leaves no misconception behind (rerun

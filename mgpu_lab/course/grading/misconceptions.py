@@ -49,7 +49,8 @@ instructor's notebook (:func:`hint`): what the answer does, and the section to r
 It says nothing about the cases (no input, no value): only which known mistake matches.
 The fingerprint is taken before the judge part runs (it may change the tensors it reads),
 only where the cell has misconceptions and the answer has the containers and lengths of
-one (:func:`could_match`: its cost is bounded by the solution's cases).
+one (:func:`could_match`: its containers, lengths and case signatures; its cost is bounded by
+the solution's cases).
 
 **Where none matches** (:func:`first_difference`): the solution's own fingerprint is stored
 too (``metadata.mgpu_lab.reference``, with the numbers of each visible case of at most
@@ -231,24 +232,34 @@ def _container(node) -> bool:
     return isinstance(node, list) and bool(node) and isinstance(node[0], str) and node[0][:1] in "[{"
 
 
-def _skeleton_fits(node, value, depth: int = 0) -> bool:
+def _skeleton_fits(node, value, depth: int = 0, seen: Optional[dict] = None) -> bool:
     """Whether ``value`` has the containers and lengths of fingerprint ``node`` (a walk as
-    long as the stored fingerprint, whatever ``value`` holds): where ``node`` is one case,
-    ``value`` must be one case too, not a container :func:`_node` would split into cases
-    of their own (an answer of a million one-number cases where the solution has one
-    tensor cost the judge its time limit in fingerprints and paths)."""
+    long as the stored fingerprint, whatever ``value`` holds), and at each of its cases the
+    same signature (structure, dtypes, shapes: else it can match no case there, and the
+    difference is its structure). So the fingerprint's cost is the stored one's: an answer
+    of a million one-number cases, or of one case of a million one-number lists, where the
+    solution has one small tensor cost the judge its 120 s time limit (a JudgeError).
+    ``seen``: the signatures already hashed, by the value's id (one answer, several
+    fingerprints)."""
     if not _container(node):
-        return not (isinstance(node, list) and depth < DEPTH
-                    and isinstance(value, (list, tuple, dict)) and 0 < len(value) <= WIDE)
+        if not isinstance(node, list) or not node or not isinstance(node[0], str):
+            return True                             # "free", or not a case
+        if depth < DEPTH and isinstance(value, (list, tuple, dict)) and 0 < len(value) <= WIDE:
+            return False                            # the fingerprint would split it into cases
+        seen = {} if seen is None else seen
+        if id(value) not in seen:
+            from .cases import render, signature
+            seen[id(value)] = (_hash(render(signature(value))), value)   # value: keeps its id
+        return seen[id(value)][0] == node[0]
     if node[0] == "[":
         if not isinstance(value, (list, tuple)) or len(value) != len(node) - 1:
             return False
-        return all(_skeleton_fits(n, v, depth + 1) for n, v in zip(node[1:], value))
+        return all(_skeleton_fits(n, v, depth + 1, seen) for n, v in zip(node[1:], value))
     if not isinstance(value, dict) or len(value) != len(node) - 1:
         return False
     keys = sorted(value, key=repr)
     return node[0] == "{" + _hash([_short(k) for k in keys]) and all(
-        _skeleton_fits(n, value[k], depth + 1) for n, k in zip(node[1:], keys))
+        _skeleton_fits(n, value[k], depth + 1, seen) for n, k in zip(node[1:], keys))
 
 
 def could_match(answer: dict, names: Iterable[str], known: Iterable[dict]) -> bool:
@@ -256,13 +267,14 @@ def could_match(answer: dict, names: Iterable[str], known: Iterable[dict]) -> bo
     fingerprint (else none can match, and no fingerprint is taken: its cost stays that of
     the solution's cases, whatever the answer holds)."""
     import json
-    names = sorted(names)
+    names, seen = sorted(names), {}
     for m in known or ():
         try:
             theirs = json.loads(m["fingerprint"])
             if sorted(theirs) == names and all(
                     (n in answer) == (theirs[n] is not None)
-                    and (n not in answer or _skeleton_fits(theirs[n], answer[n])) for n in names):
+                    and (n not in answer or _skeleton_fits(theirs[n], answer[n], 0, seen))
+                    for n in names):
                 return True
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError):
             continue
