@@ -49,14 +49,17 @@ instructor's notebook (:func:`hint`): what the answer does, and the section to r
 It says nothing about the cases (no input, no value): only which known mistake matches.
 The fingerprint is taken before the judge part runs (it may change the tensors it reads),
 only where the cell has misconceptions and the answer has the containers and lengths of
-one (:func:`could_match`: its cost is bounded by the solution's cases).
+one (:func:`could_match`: its containers, lengths and case signatures; its cost is bounded by
+the solution's cases).
 
 **Where none matches** (:func:`first_difference`): the solution's own fingerprint is stored
 too (``metadata.mgpu_lab.reference``, with the numbers of each visible case of at most
 :data:`VALUES` numbers), and the feedback says what the check compared (the results it reads,
 case by case) and where the answer first differs from the solution's, visible results first:
-for a visible case its path and the kind of difference, and for a small one the element,
-expected and got; for a hidden case (a result only hidden lines bind, or one they feed:
+for a visible case its path and the kind of difference, and for a small one the element and
+its expected value (never the answer's own number: the learner's code computed it in the
+grader's kernel, where it can read the hidden inputs, so "got" would carry them out, as an
+exception's message would: docs/INSTRUCTORS.md); for a hidden case (a result only hidden lines bind, or one they feed:
 :func:`.hidden.fed_names`) only the kind of difference, never its place or values.
 """
 from __future__ import annotations
@@ -229,20 +232,34 @@ def _container(node) -> bool:
     return isinstance(node, list) and bool(node) and isinstance(node[0], str) and node[0][:1] in "[{"
 
 
-def _skeleton_fits(node, value) -> bool:
+def _skeleton_fits(node, value, depth: int = 0, seen: Optional[dict] = None) -> bool:
     """Whether ``value`` has the containers and lengths of fingerprint ``node`` (a walk as
-    long as the stored fingerprint, whatever ``value`` holds)."""
+    long as the stored fingerprint, whatever ``value`` holds), and at each of its cases the
+    same signature (structure, dtypes, shapes: else it can match no case there, and the
+    difference is its structure). So the fingerprint's cost is the stored one's: an answer
+    of a million one-number cases, or of one case of a million one-number lists, where the
+    solution has one small tensor cost the judge its 120 s time limit (a JudgeError).
+    ``seen``: the signatures already hashed, by the value's id (one answer, several
+    fingerprints)."""
     if not _container(node):
-        return True
+        if not isinstance(node, list) or not node or not isinstance(node[0], str):
+            return True                             # "free", or not a case
+        if depth < DEPTH and isinstance(value, (list, tuple, dict)) and 0 < len(value) <= WIDE:
+            return False                            # the fingerprint would split it into cases
+        seen = {} if seen is None else seen
+        if id(value) not in seen:
+            from .cases import render, signature
+            seen[id(value)] = (_hash(render(signature(value))), value)   # value: keeps its id
+        return seen[id(value)][0] == node[0]
     if node[0] == "[":
         if not isinstance(value, (list, tuple)) or len(value) != len(node) - 1:
             return False
-        return all(_skeleton_fits(n, v) for n, v in zip(node[1:], value))
+        return all(_skeleton_fits(n, v, depth + 1, seen) for n, v in zip(node[1:], value))
     if not isinstance(value, dict) or len(value) != len(node) - 1:
         return False
     keys = sorted(value, key=repr)
     return node[0] == "{" + _hash([_short(k) for k in keys]) and all(
-        _skeleton_fits(n, value[k]) for n, k in zip(node[1:], keys))
+        _skeleton_fits(n, value[k], depth + 1, seen) for n, k in zip(node[1:], keys))
 
 
 def could_match(answer: dict, names: Iterable[str], known: Iterable[dict]) -> bool:
@@ -250,13 +267,14 @@ def could_match(answer: dict, names: Iterable[str], known: Iterable[dict]) -> bo
     fingerprint (else none can match, and no fingerprint is taken: its cost stays that of
     the solution's cases, whatever the answer holds)."""
     import json
-    names = sorted(names)
+    names, seen = sorted(names), {}
     for m in known or ():
         try:
             theirs = json.loads(m["fingerprint"])
             if sorted(theirs) == names and all(
                     (n in answer) == (theirs[n] is not None)
-                    and (n not in answer or _skeleton_fits(theirs[n], answer[n])) for n in names):
+                    and (n not in answer or _skeleton_fits(theirs[n], answer[n], 0, seen))
+                    for n in names):
                 return True
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError):
             continue
@@ -413,12 +431,15 @@ def _detail(kind: str, r, m, ref: dict, values: dict, path: str) -> str:
     want, got = (ref.get("values") or {}).get(path), values.get(path)
     if want is not None and got is not None and len(want) == len(got):
         rtol = max(float(r[2]), float(m[2]))
-        for i, (x, y) in enumerate(zip(want, got)):
-            if _close(x, y, rtol) > 1.0:
-                where = f"element {i} (counted flat, in order)" if len(want) > 1 else "its value"
-                return f"{where}: expected {x:.6g}, got {y:.6g}."
+        far = [_close(x, y, rtol) for x, y in zip(want, got)]
+        # the first element past the tolerance; else (every element within it, their sum
+        # of projections not) the farthest: the case differs, and some element must be named
+        i = next((k for k, d in enumerate(far) if d > 1.0), max(range(len(far)), key=far.__getitem__, default=None))
+        if i is not None and far[i] > 0.0:
+            where = f"element {i} (counted flat, in order)" if len(want) > 1 else "its value"
+            return f"{where}: expected {want[i]:.6g}."   # not the answer's: it can carry hidden inputs
     if len(r[3]) == PROJECTIONS + 1:
-        return f"{_KINDS[kind]} (norm: expected {r[3][0]:.6g}, got {m[3][0]:.6g})."
+        return f"{_KINDS[kind]} (its norm: expected {r[3][0]:.6g})."
     return _KINDS[kind] + "."
 
 
