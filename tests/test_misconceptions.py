@@ -408,3 +408,16 @@ def test_learners_misconceptions_are_stored_two_per_exercise_in_labs_11_to_15_on
         if len(seen) < (2 if int(lab[:2]) >= 11 else 1):
             short.append(f"{lab} {ex}: {len(seen)}")
     assert not short, "exercises short of learners' misconceptions:\n" + "\n".join(short)
+
+
+def test_a_result_with_several_right_values_is_never_named_as_the_difference():
+    from mgpu_lab.course.grading.misconceptions import answer_nodes, first_difference, reference
+    names = sorted(_answer())
+    ref = reference(_answer(), names)
+    b = _answer()
+    b["parts"][1][2, 1] += 0.5                      # differs where several values are right ...
+    b["loss"] += 1.0                                # ... and where one is
+    paths, values = answer_nodes(b, names, ref)
+    said = first_difference(fingerprint(b, names), paths, ref, values, (), ("parts[*]",))
+    assert "`loss` is the first to differ" in said and "parts[1]" not in said
+    assert first_difference(fingerprint(b, names), paths, ref, values, (), ("parts", "loss")) == ""

@@ -269,7 +269,8 @@ def cases_of(cell) -> dict:
     known = [{"id": m["id"], "fingerprint": m["fingerprint"]} for m in stored_misconceptions(cell)]
     ref = meta.get(REFERENCE)
     return {"expects": dict(meta["expects"]), "free": list(meta.get("free", {})), "hidden": hidden,
-            "veiled": veiled, **({"misconceptions": known} if known else {}),
+            "veiled": veiled, "several": list(meta.get("several", {})),
+            **({"misconceptions": known} if known else {}),
             **({"reference": ref} if isinstance(ref, dict) and "fingerprint" in ref else {})}
 
 

@@ -368,15 +368,18 @@ _KINDS = {"structure": "another type, shape, dtype, length or key",
 
 
 def first_difference(mine: str, paths: List[str], ref: dict, values: Dict[str, List[float]],
-                     veiled: Iterable[str] = ()) -> str:
+                     veiled: Iterable[str] = (), several=()) -> str:
     """What the check compared and where the answer's results (fingerprint ``mine``, its
     nodes' ``paths``, its small visible cases' ``values``) first differ from the solution's
     (``ref``, :func:`reference`), visible results first; "" when no difference is seen
     (the check failed on what the fingerprints do not hold). A result in ``veiled`` is
-    described by the kind of difference only."""
+    described by the kind of difference only. ``several``: the cell's path patterns where
+    several values are right (``metadata.mgpu_lab.several``: a check of a property, not of
+    the solution's value), and everything below them: never named as a difference."""
     import json
+    from .cases import free_patterns
     a, b = json.loads(ref["fingerprint"]), json.loads(mine)
-    veiled = set(veiled)
+    veiled, patterns = set(veiled), free_patterns(several)
     names = sorted(a, key=lambda n: (n in veiled, n))
     shown = [f"`{n}`" for n in names if n not in veiled]
     hidden = len(names) - len(shown)
@@ -392,15 +395,27 @@ def first_difference(mine: str, paths: List[str], ref: dict, values: Dict[str, L
             kind = _differs(r, m)
             if kind is None:
                 continue
-            if name in veiled:
-                return said + f"a hidden case first differs: {_KINDS[kind]}."
             base = starts.get(name)
             path = paths[base + i] if base is not None and base + i < len(paths) else name
+            if patterns and any(f.match(p) for f in patterns for p in _prefixes(path)):
+                continue
+            if name in veiled:
+                return said + f"a hidden case first differs: {_KINDS[kind]}."
             return said + f"`{path}` is the first to differ: " + _detail(kind, r, m, ref, values, path)
-        if len(x) != len(y):
+        if len(x) != len(y) and not any(f.match(name) for f in patterns):
             return said + (f"`{name}`" if name not in veiled else "a hidden result") + \
                 f" first differs: {_KINDS['structure']}."
     return ""
+
+
+def _prefixes(path: str) -> List[str]:
+    """``"a[0]['k']"`` -> ``["a", "a[0]", "a[0]['k']"]``."""
+    out, depth = [], 0
+    for i, ch in enumerate(path):
+        if ch == "[" and depth == 0:
+            out.append(path[:i])
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+    return out + [path]
 
 
 def _starts(paths: List[str]) -> Dict[str, int]:
