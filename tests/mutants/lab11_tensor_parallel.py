@@ -37,9 +37,8 @@ def applies_the_flag_backwards(solution):
 
 
 @mutant("sp_f_and_g", "wrong",
-        message="f-bar gathers the unequal parts with dist.all_gather into buffers of each rank's length: an "
-                "all-gather moves equal-sized tensors (gloo refuses 4 and 3 positions), so each part must be padded "
-                "to the longest, gathered, and trimmed (in f-bar's forward and in g-bar's backward)",
+        message="unequal parts all-gathered into buffers of each rank's length: an all-gather moves equal-sized "
+                "tensors (gloo refuses 4 and 3 positions); pad each part to the longest, gather, trim",
         section="2. Megatron's f and g, and their conjugates",
         learner=L + "first attempt: attempts/lab11/sp_f_and_g-1.py")
 def gathers_unequal_parts_unpadded(solution):
@@ -256,10 +255,9 @@ def the_given_plans_by_a_rule_of_thumb(solution):
 
 
 @mutant("tp_plans", "wrong",
-        message="the activation model counts the logits twice (the output layer's logits and cross-entropy's "
-                "log-softmax, 2 b*s*V): the output Linear keeps its input, not its output, so one b*s*V stays "
-                "(half with loss parallelism); overestimated, no plan of scenario A seems to fit. Pin each "
-                "coefficient down with run_plan, one size at a time",
+        message="a cost model reasoned, not measured: the logits counted twice (2 b*s*V; the output layer keeps "
+                "its input, the loss one b*s*V), so no plan of A seems to fit. Pin each coefficient down with "
+                "run_plan, one size at a time",
         section="9. Design exercise (3 points): plan a language model under a memory and a communication budget, at any size",
         learner=L + "considered: attempts/lab11/tp_plans-1.py")
 def logits_counted_twice_first_fit(solution):

@@ -20,9 +20,9 @@ def scaled_by_one_over_m(solution):
 
 
 @mutant("gpipe_window", "wrong",
-        message="1/m of each step, the step weighted by its batch's share of the window (len(batch) / window_samples, "
-                "1/(m x steps) for equal batches): right for equal micro-batches, wrong for 10 samples in 3, 3, 2, 2, "
-                "where each micro-batch's mean loss weighs n_k / window_samples",
+        message="1/m of each step times the batch's share of the window (1/(m x steps) for equal batches): right "
+                "for equal micro-batches, wrong for 10 samples in 3, 3, 2, 2; each micro-batch weighs "
+                "n_k / window_samples",
         learner=L + "considered: attempts/lab12/gpipe_window-1.py")
 def scaled_by_one_over_m_times_steps(solution):
     "1/m of the step x the batch's share of the window (1/(m x steps) for equal batches): wrong for 3, 3, 2, 2"
@@ -84,9 +84,9 @@ def warm_up_of_one(solution):
 
 
 @mutant("one_f_one_b_slow", "wrong",
-        message="the warm-up halved in front of the slow stage (ceil((p - i) / 2)): a stage's warm-up covers the "
-                "round trip to its first backward, the slow stage's 2 + 4 included, so it cannot shrink by the slow "
-                "stage's factor; only the hops in front of the slow stage fit twice in its cycle",
+        message="the warm-up halved in front of the slow stage: a warm-up covers the round trip to the first "
+                "backward, the slow stage's 2 + 4 included; only the hops in front of the slow stage fit twice in "
+                "its cycle",
         section="3. 1F1B: the same bubble, bounded memory",
         learner=L + "first attempt: attempts/lab12/one_f_one_b_slow-1.py")
 def warm_up_halved_before_the_slow_stage(solution):
@@ -108,9 +108,9 @@ def warm_up_halved_before_the_slow_stage(solution):
 
 
 @mutant("one_f_one_b_slow", "wrong",
-        message="the pipeline taken to end at the slow stage for the stages in front of it (warm-up s - i + 1): "
-                "they must keep the slow stage's own p - s micro-batches in flight fed, and only the hops in front of "
-                "it are halved: (p - s) + ceil((s - i) / 2); with the slow stage last this is 1F1B's p - i",
+        message="the stages in front of the slow one warm up as if the pipeline ended there (s - i + 1): they must "
+                "keep the slow stage's own p - s micro-batches in flight fed too; only the hops in front of it cost "
+                "less than 1F1B's",
         section="3. 1F1B: the same bubble, bounded memory",
         learner=L + "considered: attempts/lab12/one_f_one_b_slow-2.py")
 def warm_up_to_the_slow_stage(solution):
@@ -176,9 +176,8 @@ def interleaved_holds_as_1f1b(solution):
 
 
 @mutant("choose_schedule", "wrong",
-        message="interleaving's memory taken as section 4's 1 + (p-1)/(pv) times 1F1B's for every m: true only when "
-                "p divides m; device 0 holds its warm-up ((v - 1) rounds of m // max(1, m // p), 2 (p - 1) more) + 1 "
-                "half stages, 12 and not 11 for p = 4, m = 6",
+        message="interleaving's memory taken as section 4's 1 + (p-1)/(pv) times 1F1B's for every m: true only "
+                "when p divides m; device 0 holds its warm-up + 1 half stages, 12 and not 11 for p = 4, m = 6",
         section="8. Design exercise (3 points): schedule, micro-batches and their size",
         learner=L + "first attempt: attempts/lab12/choose_schedule-1.py")
 def interleaved_memory_by_section_4s_factor(solution):
