@@ -2,8 +2,9 @@
 a stage twice as slow) and choose_schedule (design: replayed on small cases, computed exactly at a real
 run's size, where a search over the replay does not end in time).
 
-A call of the library's own schedule is a ``wrong`` mutant here: it computes something else (1/m of one step,
-1F1B's warm-up for equal stages), and the numbers reject it."""
+gpipe_window's check forbids the library's and torch's schedules (``reimplements``): the schedule is the
+exercise. one_f_one_b_slow's answer is orders (data): the library's order for equal stages is a ``wrong`` mutant
+there, and the numbers reject it."""
 from . import body, mutant, prepend, swap
 
 LAB = "12_pipeline_parallel"
@@ -29,15 +30,17 @@ def scaled_by_one_over_m_times_steps(solution):
     return swap(solution, SCALE, "scaled = mb_losses[k] / (m * window_samples / len(target)) if stage.is_last else None")
 
 
-@mutant("gpipe_window", "wrong")
-def library_schedule_gpipe(solution):
-    "mgpu_lab's ScheduleGPipe, called for each batch: 1/m of its own step, not of the window"
+@mutant("gpipe_window", "reference")
+def library_schedule_with_the_windows_weight(solution):
+    "mgpu_lab's ScheduleGPipe with the loss weighted by the batch's share of the window (the exercise's schedule, not the learner's)"
     return body(solution, """
-        schedule = ScheduleGPipe(stage, n_microbatches, loss_fn)
-        out = schedule.step(x, target=target, losses=losses) if stage.is_first else \\
-            schedule.step(target=target, losses=losses)
-        if losses:
-            losses[:] = [float(v) for v in losses]
+        share = len(target) / window_samples if stage.is_last else 1.0
+        mine = []
+        schedule = ScheduleGPipe(stage, n_microbatches, lambda out, t: loss_fn(out, t) * share)
+        out = schedule.step(x, target=target, losses=mine) if stage.is_first else \\
+            schedule.step(target=target, losses=mine)
+        if losses is not None and stage.is_last:
+            losses.extend(v / share for v in mine)
         return out
     """)
 
