@@ -2,6 +2,7 @@
 same results within a tolerance, not others; the real grader names a wrong answer's
 misconception in its feedback; the class report counts them per exercise."""
 import json
+import re
 import math
 import sys
 from pathlib import Path
@@ -261,3 +262,66 @@ def test_every_graded_cell_has_its_own_title():
         assert len(set(named.values())) == len(named), path.stem
     ten = titles(nbformat.read(ROOT / "solutions" / "10_sharding.ipynb", as_version=4))
     assert ten["ex4_unit_backward_comm_test"].endswith("(check 2 of 2)")
+
+
+# --- which misconceptions the visible checks catch; which learners were seen to have -------
+
+HIDDEN_ONLY = re.compile(r"^\| (\d\d) \| `([^`]+)` \| `([^`]+)` \| (.+) \|$")
+
+
+def _stored_by_exercise():
+    """``{(lab, exercise): {misconception id: caught by the visible check somewhere}}``."""
+    from mgpu_lab.course.notebook.cells import exercise_of
+    out = {}
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        exercise = exercise_of(nb)
+        for gid, cell in graded_cells(nb).items():
+            mine = out.setdefault((path.stem, exercise.get(gid, gid)), {})
+            for m in cell.metadata.get("mgpu_lab", {}).get("misconceptions", []):
+                mine[m["id"]] = mine.get(m["id"], False) or m.get("caught") == "visible"
+    return out
+
+
+def test_authoring_names_every_misconception_only_hidden_cases_catch_with_its_reason():
+    """A test lists, per exercise, the misconceptions the visible check catches; the others are
+    AUTHORING's table, each with the reason, and each exercise's first (most common) misconception
+    — its first `wrong` mutant in the lab's file — is caught by the visible check."""
+    from mutants import all_mutants
+    text = (ROOT / "docs" / "AUTHORING.md").read_text()
+    table = text.split("<!-- hidden-only misconceptions: begin -->")[1].split(
+        "<!-- hidden-only misconceptions: end -->")[0]
+    rows = {}
+    for line in table.splitlines():
+        found = HIDDEN_ONLY.match(line.strip())
+        if found:
+            lab, exercise, name, why = found.groups()
+            assert len(why.strip()) > 20, line
+            rows[(lab, exercise, name)] = why
+    stored = _stored_by_exercise()
+    hidden = {(lab[:2], ex, name) for (lab, ex), found in stored.items() for name, seen in found.items()
+              if not seen}
+    assert set(rows) == hidden, ("AUTHORING's table of misconceptions only hidden cases catch is stale:\n"
+                                 f"missing: {sorted(hidden - set(rows))}\nnot hidden-only: {sorted(set(rows) - hidden)}")
+    order = [m for m in all_mutants() if m.misconception and not m.generated]
+    for (lab, ex), found in stored.items():
+        first = next((m.name for m in order if m.lab == lab and m.exercise == ex and m.name in found), None)
+        assert first is None or found[first], \
+            f"{lab} {ex}: its most common misconception {first} passes the visible check: order the mutant " \
+            "file so that a visible-caught one comes first, or make the visible check catch it"
+
+
+def test_learners_misconceptions_are_stored_two_per_exercise_in_labs_11_to_15_one_before():
+    """Issue 46 item 4: misconceptions drawn from learners' wrong attempts (``learner=``), named by the
+    feedback (stored in the solution), each with its attempt kept in tests/mutants/attempts/."""
+    from mutants import all_mutants
+    stored = _stored_by_exercise()
+    short = []
+    for (lab, ex), found in sorted(stored.items()):
+        seen = [m for m in all_mutants() if m.lab == lab and m.exercise == ex and m.learner and m.name in found]
+        for m in seen:
+            attempt = m.learner.split("attempts/")[-1].strip()
+            assert (ROOT / "tests" / "mutants" / "attempts" / attempt).is_file(), (m.name, m.learner)
+        if len(seen) < (2 if int(lab[:2]) >= 11 else 1):
+            short.append(f"{lab} {ex}: {len(seen)}")
+    assert not short, "exercises short of learners' misconceptions:\n" + "\n".join(short)

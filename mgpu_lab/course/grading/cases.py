@@ -148,7 +148,8 @@ def _mismatch(sig, value, path: str, free, veiled: bool = False) -> Optional[tup
         if len(value) != len(rest):
             few = len(value) < len(rest)
             return (path, f"{len(value)} item(s), the check asked for {len(rest)}",
-                    f"{'fewer' if few else 'more'} items than the check asked for")
+                    f"a list with {'fewer' if few else 'more'} items than the solution's result there "
+                    "(what your code returned for a case, or the cases themselves)")
         for i, (s, v) in enumerate(zip(rest, value)):
             found = _mismatch(s, v, f"{path}[{i}]", free, veiled)
             if found:
