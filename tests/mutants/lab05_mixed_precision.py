@@ -177,15 +177,15 @@ def attack_kernel_in_a_worker_thread(solution):
 # --- ex3_train_master --------------------------------------------------------------
 
 @mutant("ex3_train_master", "wrong")
-def clips_the_scaled_gradients(solution):
-    "clips before unscale_: the norm clipped is S times the true one"
-    return swap(solution, "        scaler.unscale_(optimizer)\n", "")
-
-
-@mutant("ex3_train_master", "wrong")
 def the_replica_never_follows(solution):
     "the masters step, but their values are never copied back: the fp16 model trains nothing"
     return swap(solution, "                p.copy_(m)\n", "                pass\n")
+
+
+@mutant("ex3_train_master", "wrong")
+def clips_the_scaled_gradients(solution):
+    "clips before unscale_: the norm clipped is S times the true one"
+    return swap(solution, "        scaler.unscale_(optimizer)\n", "")
 
 
 @mutant("ex3_train_master", "reference")
