@@ -2,8 +2,9 @@
 a stage twice as slow) and choose_schedule (design: replayed on small cases, computed exactly at a real
 run's size, where a search over the replay does not end in time).
 
-gpipe_window's check forbids the library's and torch's schedules (``reimplements``): the schedule is the
-exercise. one_f_one_b_slow's answer is orders (data): the library's order for equal stages is a ``wrong`` mutant
+gpipe_window's check forbids the library's schedules (``reimplements``), a courtesy: the schedule is the
+exercise, and one called by name is refused (no reference mutant: called under another name from a thread-pool
+worker inside a rank it is not seen; INSTRUCTORS' honour-level table says so). one_f_one_b_slow's answer is orders (data): the library's order for equal stages is a ``wrong`` mutant
 there, and the numbers reject it."""
 from . import body, mutant, prepend, swap
 
@@ -28,21 +29,6 @@ def scaled_by_one_over_m(solution):
 def scaled_by_one_over_m_times_steps(solution):
     "1/m of the step x the batch's share of the window (1/(m x steps) for equal batches): wrong for 3, 3, 2, 2"
     return swap(solution, SCALE, "scaled = mb_losses[k] / (m * window_samples / len(target)) if stage.is_last else None")
-
-
-@mutant("gpipe_window", "reference")
-def library_schedule_with_the_windows_weight(solution):
-    "mgpu_lab's ScheduleGPipe with the loss weighted by the batch's share of the window (the exercise's schedule, not the learner's)"
-    return body(solution, """
-        share = len(target) / window_samples if stage.is_last else 1.0
-        mine = []
-        schedule = ScheduleGPipe(stage, n_microbatches, lambda out, t: loss_fn(out, t) * share)
-        out = schedule.step(x, target=target, losses=mine) if stage.is_first else \\
-            schedule.step(target=target, losses=mine)
-        if losses is not None and stage.is_last:
-            losses.extend(v / share for v in mine)
-        return out
-    """)
 
 
 @mutant("gpipe_window", "copy")
