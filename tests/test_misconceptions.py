@@ -13,7 +13,7 @@ import torch
 
 from mgpu_lab.course.classroom.report import (misconception_lines, print_summary, write_feedback,
                                               write_json)
-from mgpu_lab.course.grading.misconceptions import closest, distance, fingerprint, hint
+from mgpu_lab.course.grading.misconceptions import MESSAGE_LIMIT, closest, distance, fingerprint, hint
 from mgpu_lab.course.grading.scoring import ExerciseScore, NotebookGrade
 from mgpu_lab.course.notebook.cells import graded_cells, nbgrader_meta
 from mgpu_lab.course.notebook.notebooks import make_lab
@@ -229,6 +229,8 @@ def test_every_stored_misconception_is_a_wrong_mutant_of_its_exercise():
                 if (path.stem, exercise.get(gid), m["id"]) not in mutants:
                     stale.append(f"{path.stem} {gid}: {m['id']}")
                 assert len(m["fingerprint"]) < 64_000 and m.get("message"), (path.stem, gid, m["id"])
+                assert len(" ".join(m["message"].split()).rstrip(".")) <= MESSAGE_LIMIT, \
+                    f"{path.stem} {gid} {m['id']}: a message the feedback would cut (at most {MESSAGE_LIMIT})"
     assert not stale, "misconceptions of no current wrong mutant:\n" + "\n".join(stale)
 
 
