@@ -22,8 +22,8 @@ def larger_slices_first(solution):
 
 @mutant("rank_slice", "wrong",
         message="takes torch.tensor_split's slices from the other end (rank r gets slice N-1-r): the sizes are right, "
-                "larger last, but rank 0 holds the batch's last rows; the slices must be contiguous in rank order, "
-                "so only the sizes are reversed, not the slices",
+                "but rank 0 holds the batch's last rows; the slices must follow the rows in rank order, so only the "
+                "sizes are reversed",
         section="5. Warm-up: each rank's slice of the batch",
         learner="learnA, 2026-12-05, considered: attempts/lab00/rank_slice-1.py")
 def reversed_slices(solution):

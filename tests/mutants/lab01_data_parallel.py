@@ -74,9 +74,9 @@ def deep_copies(solution):
 
 
 @mutant("my_replicate", "wrong",
-        message="every replica on the device where a buffer lives uses the module's own buffer: on virtual devices "
-                "(all the CPU) that is every replica, and all of them update the same running statistics; only "
-                "the first replica aliases the buffers, the others get detached copies",
+        message="every replica on the buffer's device uses the module's own buffer: on virtual devices (all the CPU) "
+                "that is every replica, all updating the same running statistics; only the first replica aliases "
+                "them, the others get detached copies",
         section="3. Replicate: copies that stay connected",
         learner="learnA, 2026-12-05, considered: attempts/lab01/my_replicate-1.py")
 def aliases_buffers_wherever_they_live(solution):
