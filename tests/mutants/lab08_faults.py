@@ -163,7 +163,11 @@ def hides_the_failure_from_ipython(solution):
 
 # --- ex3_gather_uneven --------------------------------------------------------------
 
-@mutant("ex3_gather_uneven", "wrong")
+@mutant("ex3_gather_uneven", "wrong",
+        message="gathers and trims, then puts rank 0's predictions first and rank 1's after them; an evaluation "
+                "sampler gives rank r the samples r, r + N, r + 2N, ..., so dataset order interleaves the ranks: "
+                "sample i comes from rank i mod N",
+        section="Exercise 3 — fix Program B: gather an evaluation in dataset order (3 points)")
 def concatenates_in_rank_order(solution):
     "exchanges the lengths, pads, gathers and trims, but concatenates rank 0's samples, then rank 1's: not dataset order"
     return swap(solution, """    result = torch.empty(sum(sizes), dtype=t.dtype, device=t.device)
@@ -217,7 +221,11 @@ def ipython_hides_the_failure(solution):
 
 # --- ex4_weights_agree ---------------------------------------------------------------
 
-@mutant("ex4_weights_agree", "wrong")
+@mutant("ex4_weights_agree", "wrong",
+        message="compares with rank 0's weights and returns each rank's own verdict: rank 0 names nothing, the rank "
+                "that differs names the parameter, and the ranks take different branches (Program A again); every "
+                "rank must return the same list",
+        section="Program A — a collective inside `if rank == 0`")
 def each_rank_answers_for_itself(solution):
     "compares with rank 0's weights but returns the local verdict: rank 0 names nothing, rank 1 the culprit"
     return body(solution, """
@@ -232,7 +240,10 @@ def each_rank_answers_for_itself(solution):
     """)
 
 
-@mutant("ex4_weights_agree", "wrong")
+@mutant("ex4_weights_agree", "wrong",
+        message="compares the whole model at once and answers yes or no: a yes/no says that something broke, the "
+                "names say where to look; compare each parameter's part of the MIN and MAX all-reduced tensor",
+        section="Exercise 4 — a cross-rank consistency check that names the culprits (2 points)")
 def one_verdict_for_the_whole_model(solution):
     "the whole model compared at once (MIN and MAX agree?): a yes/no, no names"
     return body(solution, """
@@ -303,7 +314,11 @@ def _fixed(solution, stop):
     return head + body(fixed, PROGRAM_F_BODY.replace("{stop}", stop))
 
 
-@mutant("ex5_diagnose_hang", "wrong")
+@mutant("ex5_diagnose_hang", "wrong",
+        message="all-reduces a 'converged' flag with MAX, as the preemption notice is shared: the ranks stop together, "
+                "but as soon as one rank's own loss is below the threshold; the rule is the mean of the ranks' "
+                "losses (all-reduce the loss, divide by N)",
+        section="Program F, and Exercise 5 — diagnose a hang the lab has not shown (design, 4 points)")
 def stops_when_any_rank_converged(solution):
     "all-reduces a 'converged' flag with MAX: every rank stops together, but on the wrong rule"
     return _fixed(solution, """done = torch.tensor([float(loss.item() < threshold)])
@@ -346,6 +361,25 @@ def gathers_everything_to_rank_0(solution):
         state = torch.load(Path(path) / "full.pt", weights_only=True)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+        return state["step"]
+    """)
+
+
+@mutant("ex6_reshard", "wrong",
+        message="saves and loads model.state_dict() and optimizer.state_dict(): a freshly built optimizer holds no "
+                "state yet, so dcp.load has no Adam state to fill in and Adam starts over; get_state_dict makes it "
+                "(by name), set_state_dict puts it back",
+        section="6. Sharded checkpoints: `torch.distributed.checkpoint`",
+        learner="learnD, 2026-12-05, considered: attempts/lab08/ex6_reshard-1.py")
+def plain_state_dicts_of_a_fresh_optimizer(solution):
+    "model.state_dict() and a fresh optimizer's state_dict() given to DCP: the optimizer has no state to load into"
+    return body(body(solution, """
+        dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}, checkpoint_id=path)
+    """), """
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": 0}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
         return state["step"]
     """)
 

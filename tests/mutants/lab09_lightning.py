@@ -157,12 +157,24 @@ def mean_of_micro_batch_means(solution):
                 "        factor = self.trainer.world_size", "        return\n        factor = self.trainer.world_size")
 
 
-@mutant("ex4_tokens", "wrong")
+@mutant("ex4_tokens", "wrong", learner="learnD, 2026-12-05, considered: attempts/lab09/ex4_tokens-2.py")
 def counts_only_this_ranks_tokens(solution):
     "divides by this rank's tokens of the window: DDP's average over ranks then weights ranks equally"
     return swap(solution, """        total = self.trainer.strategy.reduce(torch.tensor(float(self.window_tokens)), reduce_op="sum")
         factor = self.trainer.world_size * self.trainer.accumulate_grad_batches / total.item()""",
                 """        factor = self.trainer.accumulate_grad_batches / self.window_tokens""")
+
+
+@mutant("ex4_tokens", "wrong",
+        message="undoes Lightning's division by accumulate_grad_batches but not DDP's average over the ranks: each "
+                "step applies the per-token gradient divided by the number of ranks (multiply by k x N, then divide "
+                "by the window's tokens)",
+        section="10. Design: token-weighted accumulation across ranks, clipped, in mixed precision",
+        learner="learnD, 2026-12-05, considered: attempts/lab09/ex4_tokens-1.py")
+def undoes_lightnings_division_only(solution):
+    "multiplies by accumulate_grad_batches / the window's tokens: DDP's division by the number of ranks stays"
+    return swap(solution, "factor = self.trainer.world_size * self.trainer.accumulate_grad_batches / total.item()",
+                "factor = self.trainer.accumulate_grad_batches / total.item()")
 
 
 @mutant("ex4_tokens", "copy")

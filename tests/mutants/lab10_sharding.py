@@ -406,7 +406,7 @@ def patches_zero_bytes_per_rank(solution):
 
 # --- ex6_fully_shard -----------------------------------------------------------------
 
-@mutant("ex6_fully_shard", "wrong")
+@mutant("ex6_fully_shard", "wrong", learner="learnD, 2026-12-05, considered: attempts/lab10/ex6_fully_shard-1.py")
 def reduces_in_bf16(solution):
     "MixedPrecisionPolicy(param_dtype=bf16) alone: reduce_dtype follows it, the gradients are summed in bf16"
     return swap(solution, "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",

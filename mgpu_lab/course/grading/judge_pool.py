@@ -79,9 +79,25 @@ def _child(home: str, fds: List[int], base: dict, zygote_pipe: ChildPipe, sock) 
     os.chdir(home)
     os.environ.update(HOME=home, TMPDIR=home, MPLCONFIGDIR=os.path.join(home, ".mpl"))
     tempfile.tempdir = None
+    _one_thread()
     pipe = ChildPipe(os.fdopen(fds[0], "r", encoding="utf-8"),
                      os.fdopen(fds[1], "w", encoding="utf-8"))
     return serve(pipe, base)
+
+
+def _one_thread() -> None:
+    """The judge's OpenMP threads as its environment says (``OMP_NUM_THREADS``, 1: the judge's
+    environment sets it): libgomp read the variable when the warm zygote, started with the
+    sandbox's environment, loaded it. A judge that ran a parallel region with more threads
+    and then forks (Lightning's ``ddp_notebook`` in lab 09's ex2) leaves children that hang in
+    their first large product (GNU OpenMP is not fork-safe; ``mgpu_lab.launch``'s ranks set
+    one thread for the same reason)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
+        except (ValueError, RuntimeError):
+            pass
 
 
 # --- the grader's side --------------------------------------------------------------
