@@ -20,6 +20,19 @@ def full_recompute(solution):
     return swap(solution, "checkpoint_wrapper(block, context_fn=selective)", "checkpoint_wrapper(block)")
 
 
+@mutant("parallelize", "wrong",
+        message="the policy compares op with operator packets (torch.ops.aten.mm, ..._c10d_functional.all_reduce), but "
+                "it is called with overloads (torch.ops.aten.mm.default): nothing matches, nothing is saved, and "
+                "backward recomputes the blocks whole, tensor-parallel all-reduces included",
+        section="2. Exercise (a) (5 points): `parallelize`, torchtitan's order",
+        learner="learnF, 2026-12-05, considered: attempts/lab13/parallelize-1.py")
+def policy_of_operator_packets(solution):
+    "the selective policy's set of packets (torch.ops.aten.mm), never equal to the overload it is called with: a full recompute"
+    return swap(solution, """    keep = {torch.ops.aten.mm.default,          # the linear layers' products; not bmm: the attention's s x s ones
+            torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default}""",
+                """    keep = {torch.ops.aten.mm, torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.wait_tensor}""")
+
+
 @mutant("parallelize", "wrong")
 def fsdp_before_tp(solution):
     "fully_shard first, then the TP plan: parallelize_module meets weights already sharded over dp"
@@ -115,6 +128,16 @@ def states_not_sharded_over_dp(solution):
 def no_bubble(solution):
     "the pipeline's bubble forgotten: many stages look free"
     return swap(solution, "compute * (1 + (pp - 1) / m)", "compute")
+
+
+@mutant("cost_model", "wrong",
+        message="FSDP's two all-gathers and reduce-scatter counted once per micro-batch: the cost model counts them "
+                "once per step (2N/(tp·pp) bytes each), not m times as the small run of section 5 issues them",
+        section="6. Design exercise (c) (4 points): a layout for a 7B model, from a cost model you write",
+        learner="learnF, 2026-12-05, considered: attempts/lab13/cost_model-1.py")
+def fsdp_collectives_per_micro_batch(solution):
+    "FSDP's all-gathers and reduce-scatter m times per step: data parallelism looks m times dearer"
+    return swap(solution, "dp_time = 3 * (dp - 1) / dp", "dp_time = m * 3 * (dp - 1) / dp")
 
 
 @mutant("cost_model", "copy")
