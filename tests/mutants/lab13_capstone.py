@@ -14,23 +14,14 @@ def no_recompute(solution):
     return swap(solution, RECOMPUTE, "")
 
 
-@mutant("parallelize", "wrong")
+@mutant("parallelize", "wrong",
+        message="nothing is saved, so each block is recomputed whole and backward runs the tensor-parallel all-reduces "
+                "again: checkpoint_wrapper without a selective policy, or a policy whose set holds operator packets "
+                "(torch.ops.aten.mm), which never equal the overloads it is called with (torch.ops.aten.mm.default)",
+        learner="learnF, 2026-12-05, considered: attempts/lab13/parallelize-1.py")
 def full_recompute(solution):
     "a full recompute of each block: backward runs the tensor-parallel all-reduces again"
     return swap(solution, "checkpoint_wrapper(block, context_fn=selective)", "checkpoint_wrapper(block)")
-
-
-@mutant("parallelize", "wrong",
-        message="the policy compares op with operator packets (torch.ops.aten.mm, ..._c10d_functional.all_reduce), but "
-                "it is called with overloads (torch.ops.aten.mm.default): nothing matches, nothing is saved, and "
-                "backward recomputes the blocks whole, tensor-parallel all-reduces included",
-        section="2. Exercise (a) (5 points): `parallelize`, torchtitan's order",
-        learner="learnF, 2026-12-05, considered: attempts/lab13/parallelize-1.py")
-def policy_of_operator_packets(solution):
-    "the selective policy's set of packets (torch.ops.aten.mm), never equal to the overload it is called with: a full recompute"
-    return swap(solution, """    keep = {torch.ops.aten.mm.default,          # the linear layers' products; not bmm: the attention's s x s ones
-            torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default}""",
-                """    keep = {torch.ops.aten.mm, torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.wait_tensor}""")
 
 
 @mutant("parallelize", "wrong")
