@@ -15,9 +15,9 @@ def no_recompute(solution):
 
 
 @mutant("parallelize", "wrong",
-        message="nothing is saved, so each block is recomputed whole and backward runs the tensor-parallel all-reduces "
-                "again: checkpoint_wrapper without a selective policy, or a policy whose set holds operator packets "
-                "(torch.ops.aten.mm), which never equal the overloads it is called with (torch.ops.aten.mm.default)",
+        message="nothing saved: each block recomputed whole, backward runs the tensor-parallel all-reduces again (no "
+                "selective policy, or a set of operator packets, torch.ops.aten.mm, never equal to the overload the "
+                "policy gets, aten.mm.default)",
         learner="learnF, 2026-12-05, considered: attempts/lab13/parallelize-1.py")
 def full_recompute(solution):
     "a full recompute of each block: backward runs the tensor-parallel all-reduces again"
@@ -124,7 +124,6 @@ def no_bubble(solution):
 @mutant("cost_model", "wrong",
         message="FSDP's two all-gathers and reduce-scatter counted once per micro-batch: the cost model counts them "
                 "once per step (2N/(tp·pp) bytes each), not m times as the small run of section 5 issues them",
-        section="6. Design exercise (c) (4 points): a layout for a 7B model, from a cost model you write",
         learner="learnF, 2026-12-05, considered: attempts/lab13/cost_model-1.py")
 def fsdp_collectives_per_micro_batch(solution):
     "FSDP's all-gathers and reduce-scatter m times per step: data parallelism looks m times dearer"

@@ -13,9 +13,8 @@ def sum_not_rebased(solution):
 
 
 @mutant("online_attention", "wrong",
-        message="the running max is kept in raw q·k units and the 1/√d scale applied inside the exponentials: the "
-                "output is right, but m is not the largest score q kᵀ/√d, so m + log(l) is not the row's log-sum-exp "
-                "that ring attention merges partial results with",
+        message="m kept as the max of the raw q·k, the 1/√d applied inside the exponentials: the output is right, but "
+                "m + log(l) is then not the row's log-sum-exp, the number ring attention merges partial results with",
         section="2. The online softmax",
         learner="learnF, 2026-12-05, considered: attempts/lab14/online_attention-1.py")
 def running_max_of_unscaled_scores(solution):
@@ -219,10 +218,9 @@ def striped_chunks(solution):
 
 
 @mutant("choose_layout", "wrong",
-        message="chunks dealt round-robin (rank r: r, r + N, r + 2N, ...), as Striped Attention stripes tokens: at a "
-                "ring step a rank whose keys come from a lower rank computes c(c+1)/2 chunk pairs, one whose keys come "
-                "from a higher rank c(c−1)/2, and the ranks wait on each other; mirror pairs (j, n−1−j) cost the same "
-                "against every block",
+        message="chunks dealt round-robin (r, r+N, ...), as Striped Attention stripes tokens: at each ring step, a "
+                "rank whose keys come from a lower rank computes c more chunk pairs than one whose keys come from a "
+                "higher one; mirror pairs cost the same",
         section="4. The causal imbalance, and the zig-zag",
         learner="learnF, 2026-12-05, considered: attempts/lab14/choose_layout-1.py")
 def striped_chunks_none_for_one_chunk(solution):

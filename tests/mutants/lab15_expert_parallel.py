@@ -13,9 +13,9 @@ def local_counts(solution):
 
 
 @mutant("global_balance_loss", "wrong",
-        message="P is all-reduced too (with autograd) and divided by every rank's tokens: each rank returns the whole "
-                "batch's loss, and the all-reduce's backward adds every rank's gradient into each rank's logits; only "
-                "f is global (counts, no gradient), P is the mean over this rank's own tokens",
+        message="P all-reduced too (with autograd) over every rank's tokens: each rank returns the whole loss, and the "
+                "all-reduce's backward adds every rank's gradient into its logits; only f is global, P is the mean "
+                "over this rank's tokens",
         section="3. The load-balancing loss",
         learner="learnF, 2026-12-05, considered: attempts/lab15/global_balance_loss-1.py")
 def probabilities_all_reduced_too(solution):
@@ -113,9 +113,9 @@ def outputs_left_grouped_by_expert(solution):
 
 
 @mutant("ep_dispatch_combine", "wrong",
-        message="the rows that arrive are taken as grouped by local expert, but all_to_all_single puts them in source "
-                "rank order, each source's piece grouped by expert: rows go through the wrong experts; the count "
-                "table [source, local expert] gives each arrived row its expert",
+        message="the arrived rows taken as grouped by local expert: all_to_all_single puts them in source rank order, "
+                "each source's piece grouped by expert, so rows go through the wrong experts; the [source, local "
+                "expert] count table says which",
         section="4. Expert parallelism: dispatch and combine",
         learner="learnF, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-1.py")
 def arrived_rows_taken_as_grouped_by_expert(solution):
@@ -126,9 +126,9 @@ def arrived_rows_taken_as_grouped_by_expert(solution):
 
 # Hidden only, and no fingerprint (the probe raises): with the 2-rank visible case every rank's experts receive rows.
 @mutant("ep_dispatch_combine", "wrong",
-        message="an expert that received no rows is skipped: on a rank whose experts receive nothing, what it sends "
-                "back in the combine does not require grad, so it skips the backward all-to-all every other rank "
-                "waits in; run every local expert, on zero rows if need be",
+        message="an expert with no rows skipped: on a rank whose experts receive nothing, the rows it sends back do not "
+                "require grad, so it skips the backward all-to-all the other ranks wait in; run every expert, on zero "
+                "rows if need be",
         section="Exercise 2 (5 points): dispatch and combine",
         learner="learnF, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-2.py")
 def experts_without_rows_skipped(solution):
