@@ -2,6 +2,7 @@
 same results within a tolerance, not others; the real grader names a wrong answer's
 misconception in its feedback; the class report counts them per exercise."""
 import json
+import re
 import math
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 from mgpu_lab.course.classroom.report import (misconception_lines, print_summary, write_feedback,
                                               write_json)
-from mgpu_lab.course.grading.misconceptions import closest, distance, fingerprint, hint
+from mgpu_lab.course.grading.misconceptions import MESSAGE_LIMIT, closest, distance, fingerprint, hint
 from mgpu_lab.course.grading.scoring import ExerciseScore, NotebookGrade
 from mgpu_lab.course.notebook.cells import graded_cells, nbgrader_meta
 from mgpu_lab.course.notebook.notebooks import make_lab
@@ -176,6 +177,42 @@ def test_no_fingerprint_is_taken_of_an_answer_with_other_case_counts():
     assert not could_match({"parts": 1}, names, known)
 
 
+
+def test_no_fingerprint_is_taken_where_the_answer_splits_one_case_into_many():
+    """A container where the solution has one case (a tensor) would be split into cases of
+    its own, down to DEPTH: a million one-number cases cost the judge its 120 s time limit
+    (a JudgeError) before the case check refused them; now no fingerprint is taken."""
+    import time
+    from mgpu_lab.course.grading.misconceptions import could_match
+    known = [{"id": "m", "fingerprint": fingerprint(_answer())}]
+    names = ["parts", "count", "ok", "loss", "half"]
+    split = _answer()
+    split["parts"][0] = [[[0.0] * 64 for _ in range(128)] for _ in range(60)]   # 491,520 cases
+    start = time.monotonic()
+    assert not could_match(split, names, known)
+    assert time.monotonic() - start < 1.0
+    keyed = _answer()
+    keyed["parts"][1] = {"k" * 1000: keyed["parts"][1]}                  # a chosen key, kept in a path
+    assert not could_match(keyed, names, known)
+    deep = _answer()
+    deep["parts"][2] = [deep["parts"][2]]
+    assert not could_match(deep, names, known)
+    wide = _answer()
+    wide["count"] = list(range(200))                   # still one case in a fingerprint: 3 items asked
+    assert not could_match(wide, names, known)
+    from mgpu_lab.course.grading.judge import checked
+    chunks = _answer()                                 # one case (> WIDE items) of 500,000 one-number
+    start = time.monotonic()                           # lists: its fingerprint took 95 s
+    chunks["parts"][1] = checked([[[float(i)] for i in range(2500)] for _ in range(200)])
+    loading = time.monotonic() - start                 # what the judge spends to load it anyway
+    start = time.monotonic()
+    assert not could_match(chunks, names, known)
+    assert time.monotonic() - start < 3 * loading + 1.0
+    retyped = _answer()
+    retyped["half"] = retyped["half"].float()          # another dtype: no case of it can match
+    assert not could_match(retyped, names, known)
+    assert could_match(_answer(scale=2.0), names, known)   # other values, the same signatures
+
 def test_every_stored_misconception_is_a_wrong_mutant_of_its_exercise():
     """A mutant renamed or removed leaves no misconception behind (rerun
     ``mgpu-lab labs expects --misconceptions``)."""
@@ -192,6 +229,8 @@ def test_every_stored_misconception_is_a_wrong_mutant_of_its_exercise():
                 if (path.stem, exercise.get(gid), m["id"]) not in mutants:
                     stale.append(f"{path.stem} {gid}: {m['id']}")
                 assert len(m["fingerprint"]) < 64_000 and m.get("message"), (path.stem, gid, m["id"])
+                assert len(" ".join(m["message"].split()).rstrip(".")) <= MESSAGE_LIMIT, \
+                    f"{path.stem} {gid} {m['id']}: a message the feedback would cut (at most {MESSAGE_LIMIT})"
     assert not stale, "misconceptions of no current wrong mutant:\n" + "\n".join(stale)
 
 
@@ -205,25 +244,56 @@ def _differs(answer, veiled=()):
     return first_difference(fingerprint(answer, names), paths, ref, values, veiled)
 
 
-def test_a_visible_difference_is_placed_with_expected_and_got():
+def test_a_visible_difference_is_placed_with_its_expected_value_never_the_answers():
+    """The answer's own number is never said: the learner's code computed it in the
+    grader's kernel, where the hidden inputs are (an attack returned 9011.06 for a visible
+    case, the hidden batches' rows 9 and 11 and a hidden value, and the feedback said it)."""
     b = _answer()
     b["parts"][1][2, 1] += 0.5
     said = _differs(b)
     assert said.startswith("The check compared `count`, `half`, `loss`, `ok`, `parts` with the solution's")
     want = float(_answer()["parts"][1][2, 1])
-    assert f"`parts[1]` is the first to differ: element 7 (counted flat, in order): expected {want:.6g}, " \
-           f"got {want + 0.5:.6g}." in said
+    assert said.endswith(f"`parts[1]` is the first to differ: element 7 (counted flat, in order): "
+                         f"expected {want:.6g}.")
+    leak = _answer()
+    leak["parts"][0][0, 0] = 9011.06
+    assert "9011" not in _differs(leak) and "got" not in _differs(leak)
+    big = _answer()
+    big["parts"][2] = big["parts"][2] * 2 + 7654.321                      # 21 numbers: the norm
+    assert "7654" not in _differs(big) and "got" not in _differs(big)
     c = _answer()
     c["ok"] = False
     assert "`ok` is the first to differ: another string, bool or None." in _differs(c)
     assert _differs(_answer()) == ""                     # nothing the fingerprints hold differs
 
 
+
+def test_a_small_case_within_its_element_tolerance_but_not_its_projections_names_an_element():
+    """Every element within 0.1 % (float32's tolerance) but signed along a projection's weights:
+    the case differs; the sentence named no element, only a norm equal to 4 digits (lab 00's
+    mine[26][5] so changed: 'values that differ beyond the tolerance (norm: expected 2.1376,
+    got 2.13691)')."""
+    from mgpu_lab.course.grading.misconceptions import (PROJECTIONS, _base, _chunk_factor,
+                                                        answer_nodes, first_difference, reference)
+    torch.manual_seed(0)                                   # lab 00 ex1's visible batches
+    batches = [torch.randn(B, 3) for B in range(1, 11) for _ in range(1, B + 1)]
+    v = batches[26][5:7]                                   # B=7 over 6 ranks: rank 5's 2 rows
+    w = _base(6) * torch.tensor([_chunk_factor(0, j) for j in range(PROJECTIONS)],
+                                dtype=torch.float64)[:, None]
+    flat = v.reshape(-1).double()
+    j = int((w.abs() * flat.abs()).sum(1).argmax())
+    right = {"v": v}
+    wrong = {"v": v * (1 + 0.995e-3 * torch.sign(w[j] * flat)).float().reshape(2, 3)}
+    ref = reference(right, ["v"])
+    paths, values = answer_nodes(wrong, ["v"], ref)
+    said = first_difference(fingerprint(wrong, ["v"]), paths, ref, values)
+    assert "`v` is the first to differ: element " in said and "norm" not in said, said
+
 def test_a_large_visible_case_gives_its_norm_and_a_hidden_one_only_the_kind():
     b = _answer()
     b["parts"][2] = b["parts"][2] * 2                    # 21 numbers: no element kept
     said = _differs(b)
-    assert "`parts[2]` is the first to differ: values that differ beyond the tolerance (norm: expected" in said
+    assert "`parts[2]` is the first to differ: values that differ beyond the tolerance (its norm: expected" in said
     hidden = _differs(b, veiled=("parts",))
     assert hidden.endswith("a hidden case first differs: values that differ beyond the tolerance.")
     assert "parts" not in hidden and "and the hidden check's results" in hidden
@@ -238,6 +308,22 @@ def test_a_result_fed_by_hidden_lines_is_veiled():
               "mine = [f(c) for c in cases]\nshown = f(3)\n")
     assert fed_names(source) >= {"cases", "mine"} and "shown" not in fed_names(source)
 
+
+
+def test_a_visible_result_only_a_hidden_check_judges_is_veiled():
+    """Lab 13's cost model: its visible lines check only the form of ``predictions`` and
+    ``choice``; their values are judged by hidden lines alone. Unveiled, the sentence said
+    "`choice['dp']` is the first to differ: its value: expected 4", then m, pp, tp, submission
+    by submission: the layout the hidden check asks for, with no cost model written."""
+    from mgpu_lab.course.grading.cases import cases_of
+    from mgpu_lab.course.grading.hidden import read_on_hidden
+    source = ("mine = f(1)\nother = f(2)\n### JUDGE\nassert other == 2, 'f(2)'\n"
+              "### BEGIN HIDDEN TESTS\nassert mine == 1, 'f(1)'\n### END HIDDEN TESTS\n")
+    assert "mine" in read_on_hidden(source) and "other" not in read_on_hidden(source)
+    nb = nbformat.read(ROOT / "solutions" / "13_capstone.ipynb", as_version=4)
+    assert {"choice", "predictions"} <= set(cases_of(graded_cells(nb)["cost_model_test"])["veiled"])
+    nb = nbformat.read(ROOT / "solutions" / "00_setup.ipynb", as_version=4)
+    assert cases_of(graded_cells(nb)["global_mean_test"])["veiled"] == ["means3"]
 
 def test_every_graded_cell_with_cases_stores_its_reference_and_where_each_misconception_is_caught():
     missing = []
@@ -261,3 +347,79 @@ def test_every_graded_cell_has_its_own_title():
         assert len(set(named.values())) == len(named), path.stem
     ten = titles(nbformat.read(ROOT / "solutions" / "10_sharding.ipynb", as_version=4))
     assert ten["ex4_unit_backward_comm_test"].endswith("(check 2 of 2)")
+
+
+# --- which misconceptions the visible checks catch; which learners were seen to have -------
+
+HIDDEN_ONLY = re.compile(r"^\| (\d\d) \| `([^`]+)` \| `([^`]+)` \| (.+) \|$")
+
+
+def _stored_by_exercise():
+    """``{(lab, exercise): {misconception id: caught by the visible check somewhere}}``."""
+    from mgpu_lab.course.notebook.cells import exercise_of
+    out = {}
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        exercise = exercise_of(nb)
+        for gid, cell in graded_cells(nb).items():
+            mine = out.setdefault((path.stem, exercise.get(gid, gid)), {})
+            for m in cell.metadata.get("mgpu_lab", {}).get("misconceptions", []):
+                mine[m["id"]] = mine.get(m["id"], False) or m.get("caught") == "visible"
+    return out
+
+
+def test_authoring_names_every_misconception_only_hidden_cases_catch_with_its_reason():
+    """A test lists, per exercise, the misconceptions the visible check catches; the others are
+    AUTHORING's table, each with the reason, and each exercise's first (most common) misconception
+    — its first `wrong` mutant in the lab's file — is caught by the visible check."""
+    from mutants import all_mutants
+    text = (ROOT / "docs" / "AUTHORING.md").read_text()
+    table = text.split("<!-- hidden-only misconceptions: begin -->")[1].split(
+        "<!-- hidden-only misconceptions: end -->")[0]
+    rows = {}
+    for line in table.splitlines():
+        found = HIDDEN_ONLY.match(line.strip())
+        if found:
+            lab, exercise, name, why = found.groups()
+            assert len(why.strip()) > 20, line
+            rows[(lab, exercise, name)] = why
+    stored = _stored_by_exercise()
+    hidden = {(lab[:2], ex, name) for (lab, ex), found in stored.items() for name, seen in found.items()
+              if not seen}
+    assert set(rows) == hidden, ("AUTHORING's table of misconceptions only hidden cases catch is stale:\n"
+                                 f"missing: {sorted(hidden - set(rows))}\nnot hidden-only: {sorted(set(rows) - hidden)}")
+    order = [m for m in all_mutants() if m.misconception and not m.generated]
+    for (lab, ex), found in stored.items():
+        first = next((m.name for m in order if m.lab == lab and m.exercise == ex and m.name in found), None)
+        assert first is None or found[first], \
+            f"{lab} {ex}: its most common misconception {first} passes the visible check: order the mutant " \
+            "file so that a visible-caught one comes first, or make the visible check catch it"
+
+
+def test_learners_misconceptions_are_stored_two_per_exercise_in_labs_11_to_15_one_before():
+    """Issue 46 item 4: misconceptions drawn from learners' wrong attempts (``learner=``), named by the
+    feedback (stored in the solution), each with its attempt kept in tests/mutants/attempts/."""
+    from mutants import all_mutants
+    stored = _stored_by_exercise()
+    short = []
+    for (lab, ex), found in sorted(stored.items()):
+        seen = [m for m in all_mutants() if m.lab == lab and m.exercise == ex and m.learner and m.name in found]
+        for m in seen:
+            attempt = m.learner.split("attempts/")[-1].strip()
+            assert (ROOT / "tests" / "mutants" / "attempts" / attempt).is_file(), (m.name, m.learner)
+        if len(seen) < (2 if int(lab[:2]) >= 11 else 1):
+            short.append(f"{lab} {ex}: {len(seen)}")
+    assert not short, "exercises short of learners' misconceptions:\n" + "\n".join(short)
+
+
+def test_a_result_with_several_right_values_is_never_named_as_the_difference():
+    from mgpu_lab.course.grading.misconceptions import answer_nodes, first_difference, reference
+    names = sorted(_answer())
+    ref = reference(_answer(), names)
+    b = _answer()
+    b["parts"][1][2, 1] += 0.5                      # differs where several values are right ...
+    b["loss"] += 1.0                                # ... and where one is
+    paths, values = answer_nodes(b, names, ref)
+    said = first_difference(fingerprint(b, names), paths, ref, values, (), ("parts[*]",))
+    assert "`loss` is the first to differ" in said and "parts[1]" not in said
+    assert first_difference(fingerprint(b, names), paths, ref, values, (), ("parts", "loss")) == ""

@@ -51,3 +51,31 @@ def test_a_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_tensor_measured(nproc
     for rank, (sent, received, formula) in enumerate(launch(_ring, nprocs=nprocs, args=(2**16,), timeout=60)):
         assert formula <= sent <= formula * 1.01, f"rank {rank}: sent {sent}, the formula {formula}"
         assert formula <= received <= formula * 1.01, f"rank {rank}: received {received}, the formula {formula}"
+
+
+def _gloo_collectives(n_elements):
+    n, out = dist.get_world_size(), {}
+    x = torch.ones(n_elements * n)
+    for name, fn in (("all_reduce", lambda: dist.all_reduce(x.clone())),
+                     ("reduce_scatter", lambda: dist.reduce_scatter_tensor(torch.empty(n_elements), x)),
+                     ("all_gather", lambda: dist.all_gather_into_tensor(torch.empty(n_elements * n),
+                                                                        torch.ones(n_elements)))):
+        dist.barrier()
+        with WireMeter() as wire:
+            fn()
+        out[name] = wire.sent
+    return out, x.numel() * x.element_size()
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_gloos_reduce_scatter_sends_what_its_all_reduce_sends(nprocs):
+    """Measured, not assumed: gloo (torch 2.13) has no ring reduce-scatter; its reduce_scatter_tensor
+    sends what an all-reduce of the whole input sends, 2(N-1)/N of it, not the ring's (N-1)/N; its
+    all-gather sends (N-1)/N of the output. Labs 10 and 13 count FSDP's traffic on gloo with this."""
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for rank, (sent, size) in enumerate(launch(_gloo_collectives, nprocs=nprocs, args=(2**16,), timeout=60)):
+        ring = 2 * (nprocs - 1) * size // nprocs
+        assert ring <= sent["all_reduce"] <= ring * 1.01, (rank, sent)
+        assert ring <= sent["reduce_scatter"] <= ring * 1.01, (rank, sent)
+        assert ring // 2 <= sent["all_gather"] <= ring // 2 * 1.01, (rank, sent)

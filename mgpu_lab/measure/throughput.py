@@ -16,13 +16,14 @@ et al. 2022, appendix B; the formula nanoGPT and torchtitan report)::
 Activation recompute runs part of the forward again: *hardware* FLOPs grow, *model*
 FLOPs do not. **HFU** (hardware FLOPs utilisation) counts the FLOPs issued, recompute
 included; **MFU** counts only the model's, so it does not reward recomputing (PaLM,
-appendix B; Korthikanti et al. 2022, section 6). ``count_flops`` counts the FLOPs a
+appendix B). ``count_flops`` counts the FLOPs a
 function really issues (``torch.utils.flop_counter.FlopCounterMode``: every matmul and
 attention kernel, norms and element-wise ops aside) to check the formula on a real model.
 
 **MFU** = achieved model FLOP/s ÷ the hardware's *theoretical* peak FLOP/s, its datasheet
 figure (PaLM, appendix B; torchtitan's ``get_peak_flops``): :func:`datasheet_peak_flops`
-knows a few accelerators (H100 SXM: 989 TFLOP/s dense bf16). A CPU has no such figure, so
+knows a few accelerators (H100 SXM: 989 TFLOP/s dense bf16). A CPU has a theoretical peak too
+(cores × clock × FLOPs per cycle) but none this table knows, so
 the labs divide by a rate *measured* here (``measure_peak_flops``: matmuls in the training
 dtype, back to back, under the same conditions as the run) and call the ratio what it is:
 the *fraction of the measured matmul rate*, higher than MFU would be (large bf16 matmuls
@@ -89,11 +90,12 @@ def measure_peak_flops(device=None, dtype: torch.dtype = torch.float32, size: in
             return 2.0 * size ** 3 * reps / elapsed
 
 
-# Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity), the figures
-# torchtitan's get_peak_flops uses; more specific names first.
+# Dense bf16 tensor-core peaks from the vendors' datasheets (no sparsity; torchtitan's
+# get_peak_flops has the same, but for the H200 NVL, which it counts as an H200 SXM);
+# more specific names first.
 DATASHEET_BF16 = ((("h100", "nvl"), 835e12), (("h100", "pcie"), 756e12), (("h100",), 989e12),
                   (("h200", "nvl"), 836e12), (("h200",), 989e12), (("a100",), 312e12),
-                  (("b200",), 2.25e15))
+                  (("gb200",), 2.5e15), (("b200",), 2.25e15))
 
 
 def datasheet_peak_flops(device_name: str) -> Optional[float]:

@@ -30,6 +30,26 @@ def strided_like_distributed_sampler(solution):
     return body(solution, STRIDED)
 
 
+@mutant("ex1_shard_indices", "wrong",
+        message="pads with the first (padded length - n) indices once: with fewer samples than the padding needs "
+                "(1 sample on 4 ranks) the last ranks get too few indices; DistributedSampler repeats the list from "
+                "its start as many times as it takes",
+        section="3. Sharding the data: `DistributedSampler`",
+        learner="learnB, 2026-12-05, first attempt: attempts/lab03/ex1_shard_indices-1.py")
+def pads_once(solution):
+    "the padding taken once from the start of the list (indices[:pad]): too short when the padding is longer than the data"
+    return body(solution, """
+        indices = list(range(n))
+        if drop_last:
+            per_rank = n // world_size
+            indices = indices[:per_rank * world_size]
+        else:
+            per_rank = -(-n // world_size)
+            indices += indices[:per_rank * world_size - n]
+        return indices[rank * per_rank:(rank + 1) * per_rank]
+    """)
+
+
 @mutant("ex1_shard_indices", "reference")
 def the_old_reference_helper(solution):
     "the graded cell's old helper `reference`, which wraps DistributedSampler, defined and called"
@@ -105,6 +125,16 @@ def mean_of_the_ranks_losses(solution):
         losses.append(global_loss.item() / n_total.item())""", """        global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world_size)""")
+
+
+@mutant("ex2_train_ddp", "wrong",
+        message="scales each rank's loss by n_r / N: DDP still divides the summed gradients by world_size, so each "
+                "step is the full batch's divided by world_size; the factor is n_r * world_size / N",
+        section="4. DDP from the notebook, checked against one process",
+        learner="learnB, 2026-12-05, considered: attempts/lab03/ex2_train_ddp-1.py")
+def share_without_the_world_size(solution):
+    "each rank's loss scaled by its share n_r / N, forgetting that DDP then divides by world_size"
+    return swap(solution, "share = len(x_local) * world_size / n_total.item()", "share = len(x_local) / n_total.item()")
 
 
 @mutant("ex2_train_ddp", "copy")

@@ -24,6 +24,23 @@ def the_formula_for_every_size(solution):
     """)
 
 
+@mutant("ex1_bytes", "wrong",
+        message="counts the biggest chunk, ceil(numel / N) elements, in each of the 2(N-1) steps: each rank sends "
+                "every chunk but one in each phase (2S minus two chunks of its own), so the busiest rank is the one "
+                "that leaves out the two smallest",
+        section="3. The ring: everyone talks to a neighbour",
+        learner="learnB, 2026-12-05, considered: attempts/lab04/ex1_bytes-1.py")
+def biggest_chunk_every_step(solution):
+    "the busiest rank taken to send the biggest chunk in each of the 2(N-1) steps"
+    return body(solution, """
+        if algorithm == "parameter_server":
+            return (world_size - 1) * S
+        if algorithm != "ring":
+            raise ValueError(f"unknown algorithm {algorithm!r}")
+        return 2 * (world_size - 1) * -(-numel // world_size) * element_size
+    """)
+
+
 @mutant("ex1_bytes", "reference")
 def allreduce_bytes_through_getattr(solution):
     "mgpu_lab.allreduce_bytes reached through getattr"
@@ -240,6 +257,29 @@ def a_full_bucket_at_the_cap(solution):
                 "if not buckets or size + nbytes >= (first_cap if len(buckets) == 1 else cap):")
 
 
+@mutant("ex4_buckets", "wrong",
+        message="adds each parameter, then closes the bucket once it has reached its cap (torch's C++ packing): a "
+                "bucket then overshoots its cap; here a new bucket starts before a parameter that would make the "
+                "current one exceed its cap",
+        section="6. Buckets and overlap: BucketedDDP",
+        learner="learnB, 2026-12-05, considered: attempts/lab04/ex4_buckets-1.py")
+def closes_a_bucket_after_it_reaches_the_cap(solution):
+    "each parameter added first, the bucket closed once its size has reached the cap: buckets overshoot"
+    return body(solution, """
+        current, size = [], 0
+        for name, p in reversed(named_parameters):
+            if not p.requires_grad:
+                continue
+            current.append(name)
+            size += p.numel() * p.element_size()
+            if size >= (first_cap if not buckets else cap):
+                buckets.append(current)
+                current, size = [], 0
+        if current:
+            buckets.append(current)
+    """)
+
+
 @mutant("ex4_buckets", "tamper")
 def patches_the_buckets_property(solution):
     "BucketedDDP's buckets property replaced so that the reference agrees with one bucket of everything"
@@ -369,6 +409,22 @@ def plain_least_squares(solution):
 def ring_latency_not_scaled(solution):
     "the ring's fitted alpha kept for every N: its 2(N-1) steps not counted"
     return swap(solution, "ring = (n - 1) * a_ring + 2", "ring = a_ring + 2")
+
+
+@mutant("ex6_alpha_beta", "wrong",
+        message="scales each row of the least-squares problem by 1/t**2: the weight 1/t**2 belongs on the squared "
+                "residual, so each row (and its target) is divided by t once, as np.polyfit's w=1/t; 1/t**2 per row "
+                "over-weights the fastest measurements",
+        section="9. When the measurements disagree with the story: the α–β model",
+        learner="learnB, 2026-12-05, considered: attempts/lab04/ex6_alpha_beta-1.py")
+def rows_weighted_by_one_over_t_squared(solution):
+    "relative least squares set up with rows multiplied by 1/t**2 instead of 1/t"
+    return body(solution, """
+        S, N, t = (np.asarray(v, dtype=np.float64) for v in (nbytes, ranks, seconds))
+        w = 1 / t**2
+        A = np.stack([(N - 1) * w, 2 * (N - 1) / N * S * w], axis=1)
+        alpha, beta = np.linalg.lstsq(A, t * w, rcond=None)[0]
+    """)
 
 
 @mutant("ex6_alpha_beta", "reference")

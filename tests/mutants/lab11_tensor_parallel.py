@@ -8,6 +8,7 @@ exercises ask, so each is rejected by the numbers, not by a guard."""
 from . import body, mutant, prepend, swap
 
 LAB = "11_tensor_parallel"
+L = "learnE, 2026-12-05, "      # learner= of the attempts kept in attempts/lab11 (issue 46 item 4)
 
 F_BACKWARD_SUM = """        total = grad.contiguous().clone()
         dist.all_reduce(total, group=ctx.group)"""
@@ -33,6 +34,25 @@ def all_reduces_the_gradient_in_place(solution):
 def applies_the_flag_backwards(solution):
     "the flag read the wrong way round: a slice before a tensor-parallel consumer, a sum before a replicated one"
     return swap(solution, "        if not ctx.tensor_parallel:", "        if ctx.tensor_parallel:")
+
+
+@mutant("sp_f_and_g", "wrong",
+        message="unequal parts all-gathered into buffers of each rank's length: an all-gather moves equal-sized "
+                "tensors (gloo refuses 4 and 3 positions); pad each part to the longest, gather, trim",
+        section="2. Megatron's f and g, and their conjugates",
+        learner=L + "first attempt: attempts/lab11/sp_f_and_g-1.py")
+def gathers_unequal_parts_unpadded(solution):
+    "unequal parts all-gathered into buffers of each rank's length, unpadded: gloo's all-gather needs equal sizes"
+    return body(body(solution, """
+        parts = [grad.new_empty(grad.shape[0], k, *grad.shape[2:]) for k in ctx.sizes]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=1), None, None
+    """, region=3), """
+        ctx.sizes, ctx.group, ctx.tensor_parallel = list(sizes), group, tensor_parallel_output_grad
+        parts = [x.new_empty(x.shape[0], k, *x.shape[2:]) for k in sizes]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+    """, region=0)
 
 
 @mutant("sp_f_and_g", "wrong")
@@ -95,7 +115,8 @@ def patches_allclose(solution):
 SWIGLU_SPLIT = "self.w13 = nn.Parameter(torch.cat([w1.chunk(n)[r], w3.chunk(n)[r]]))"
 
 
-@mutant("parallel_swiglu", "wrong")
+@mutant("parallel_swiglu", "wrong",
+        learner=L + "considered: attempts/lab11/parallel_swiglu-1.py")
 def splits_w13_as_one_matrix(solution):
     "w13 split by rows as one matrix: rank 0 gets all of w1 (the gate), rank 1 all of w3, no feature meets its pair"
     return swap(solution, SWIGLU_SPLIT, "self.w13 = nn.Parameter(ffn.w13.weight.detach().chunk(n)[r].clone())")
@@ -147,6 +168,18 @@ def shared_k_v_heads_not_summed(solution):
     "the K/V heads shared by several ranks keep each rank's own partial gradient: the copies drift apart"
     return swap(solution, "        if self.sharing is not None:\n            wk, wv = self.f(wk, self.sharing), self.f(wv, self.sharing)\n",
                 "")
+
+
+@mutant("parallel_gqa", "wrong",
+        message="wk's and wv's gradients all-reduced over the whole tensor-parallel group: that adds the gradients of "
+                "different K/V heads (rank 0's head 0 and rank 1's head 1); only the ranks that hold copies of the "
+                "same K/V head may sum its gradient",
+        section="4. Attention: split the heads",
+        learner=L + "considered: attempts/lab11/parallel_gqa-1.py")
+def k_v_gradients_summed_over_the_whole_group(solution):
+    "every K/V gradient all-reduced over the whole group, as DDP sums replicas: different K/V heads added together"
+    return swap(solution, "        if self.sharing is not None:\n            wk, wv = self.f(wk, self.sharing), self.f(wv, self.sharing)\n",
+                "        wk, wv = self.f(wk, self.group), self.f(wv, self.group)\n")
 
 
 @mutant("parallel_gqa", "wrong")
@@ -218,6 +251,63 @@ def the_given_plans_by_a_rule_of_thumb(solution):
                     "feed_forward": "replicate", "output": "loss_parallel"}
         return {"sequence_parallel": True, "embedding": "replicate", "attention": "split", "feed_forward": "split",
                 "output": "loss_parallel"}
+    """)
+
+
+@mutant("tp_plans", "wrong",
+        message="a cost model reasoned, not measured: the logits counted twice (2 b*s*V; the output layer keeps "
+                "its input, the loss one b*s*V), so no plan of A seems to fit. Pin each coefficient down with "
+                "run_plan, one size at a time",
+        section="9. Design exercise (3 points): plan a language model under a memory and a communication budget, at any size",
+        learner=L + "considered: attempts/lab11/tp_plans-1.py")
+def logits_counted_twice_first_fit(solution):
+    "a cost model reasoned, not measured (logits and log-softmax both kept, 2 b*s*V), the first plan it fits: None for A"
+    return body(solution, """
+        import itertools
+
+        def plan_cost(choice, sc):
+            V, h, ffn, b, s = sc["vocab"], sc["hidden"], sc["ffn"], sc["batch"], sc["seq"]
+            t = 2
+            sp = choice["sequence_parallel"]
+            attn_split = choice["attention"] == "split"
+            ffn_split = choice["feed_forward"] == "split"
+            emb_split = choice["embedding"] == "vocab"
+            out = choice["output"]
+            params = (V * h / (t if emb_split else 1) + 4 * h * h / (t if attn_split else 1)
+                      + 3 * h * ffn / (t if ffn_split else 1) + V * h / (1 if out == "replicate" else t) + 3 * h)
+            bsh, bsf, bsv, bs = b * s * h, b * s * ffn, b * s * V, b * s
+            stream = bsh / (t if sp else 1)
+            act = 0
+            act += 3 * stream                                   # the three norms' inputs
+            act += 2 * bsh                                      # the inputs of attention's and the ffn's first layers
+            act += 5 * bsh / (t if attn_split else 1)           # q, k, v, attention's output, wo's input
+            act += 4 * bsf / (t if ffn_split else 1)            # w1's and w3's outputs, silu's, w2's input
+            act += bsh                                          # the output layer's input
+            act += 2 * bsv / (t if out == "loss_parallel" else 1)   # the logits and log-softmax
+            act += 3 * bs                                       # norms' statistics
+            memory = 16 * params + 4 * act
+            sent = 0
+            if not sp:
+                sent += (4 * bsh if attn_split else 0) + (3 * bsh if ffn_split else 0)
+                sent += bsh if emb_split else 0
+                sent += bsh if out != "replicate" else 0
+            else:
+                sent += 2 * bsh if attn_split else bsh
+                sent += 2 * bsh if ffn_split else bsh
+                sent += bsh / 2 if emb_split else 0
+                sent += bsh if out != "replicate" else bsh / 2
+            if out == "gather":
+                sent += bsv / 2
+            if out == "loss_parallel":
+                sent += 3 * bs
+            return memory, 4 * sent
+
+        for values in itertools.product(*CHOICES.values()):
+            choice = dict(zip(CHOICES, values))
+            memory, sent = plan_cost(choice, scenario)
+            if memory <= scenario["memory"] and sent <= scenario["sent"]:
+                return choice                               # the first plan within both budgets
+        return None
     """)
 
 

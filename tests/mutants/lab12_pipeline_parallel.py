@@ -7,6 +7,7 @@ A call of the library's own schedule is a ``wrong`` mutant here: it computes som
 from . import body, mutant, prepend, swap
 
 LAB = "12_pipeline_parallel"
+L = "learnE, 2026-12-05, "      # learner= of the attempts kept in attempts/lab12 (issue 46 item 4)
 
 SCALE = "scaled = mb_losses[k] * (len(targets[k]) / window_samples) if stage.is_last else None"
 
@@ -18,9 +19,13 @@ def scaled_by_one_over_m(solution):
     return swap(solution, SCALE, "scaled = mb_losses[k] / m if stage.is_last else None")
 
 
-@mutant("gpipe_window", "wrong")
+@mutant("gpipe_window", "wrong",
+        message="1/m of each step times the batch's share of the window (1/(m x steps) for equal batches): right "
+                "for equal micro-batches, wrong for 10 samples in 3, 3, 2, 2; each micro-batch weighs "
+                "n_k / window_samples",
+        learner=L + "considered: attempts/lab12/gpipe_window-1.py")
 def scaled_by_one_over_m_times_steps(solution):
-    "1/(m x steps): right for equal micro-batches and batches, wrong for 10 samples in 3, 3, 2, 2"
+    "1/m of the step x the batch's share of the window (1/(m x steps) for equal batches): wrong for 3, 3, 2, 2"
     return swap(solution, SCALE, "scaled = mb_losses[k] / (m * window_samples / len(target)) if stage.is_last else None")
 
 
@@ -78,6 +83,54 @@ def warm_up_of_one(solution):
     return swap(solution, "    return order(warmups[stage_index])", "    return order(1)")
 
 
+@mutant("one_f_one_b_slow", "wrong",
+        message="the warm-up halved in front of the slow stage: a warm-up covers the round trip to the first "
+                "backward, the slow stage's 2 + 4 included; only the hops in front of the slow stage fit twice in "
+                "its cycle",
+        section="3. 1F1B: the same bubble, bounded memory",
+        learner=L + "first attempt: attempts/lab12/one_f_one_b_slow-1.py")
+def warm_up_halved_before_the_slow_stage(solution):
+    "half of 1F1B's warm-up on the stages before the slow one: the step lengthens (78 time units, 1F1B's 57)"
+    return body(solution, """
+        m = n_microbatches
+        if stage_index < slow_stage:
+            # a slow stage behind takes two fast units per micro-batch: half the forwards in flight suffice
+            warmup = -(-(num_stages - stage_index) // 2)
+        else:
+            warmup = num_stages - stage_index
+        warmup = min(max(warmup, 1), m)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(warmup, m):
+            order += [("B", k - warmup), ("F", k)]
+        order += [("B", k) for k in range(m - warmup, m)]
+        return order
+    """)
+
+
+@mutant("one_f_one_b_slow", "wrong",
+        message="the stages in front of the slow one warm up as if the pipeline ended there (s - i + 1): they must "
+                "keep the slow stage's own p - s micro-batches in flight fed too; only the hops in front of it cost "
+                "less than 1F1B's",
+        section="3. 1F1B: the same bubble, bounded memory",
+        learner=L + "considered: attempts/lab12/one_f_one_b_slow-2.py")
+def warm_up_to_the_slow_stage(solution):
+    "the stages in front of the slow one warm up as if the pipeline ended there (s - i + 1)"
+    return body(solution, """
+        m = n_microbatches
+        if stage_index < slow_stage:
+            # the slow stage sets the pace, as if the pipeline ended there: cover the distance to it, plus one
+            warmup = slow_stage - stage_index + 1
+        else:
+            warmup = num_stages - stage_index
+        warmup = min(max(warmup, 1), m)
+        order = [("F", k) for k in range(warmup)]
+        for k in range(warmup, m):
+            order += [("B", k - warmup), ("F", k)]
+        order += [("B", k) for k in range(m - warmup, m)]
+        return order
+    """)
+
+
 @mutant("one_f_one_b_slow", "wrong")
 def library_one_f_one_b_order(solution):
     "mgpu_lab's one_f_one_b_order, the order for equal stages"
@@ -120,6 +173,49 @@ def interleaved_bubble_by_the_formula(solution):
 def interleaved_holds_as_1f1b(solution):
     "interleaving taken to hold 1F1B's min(m, p) micro-batches: its warm-up runs about 2p half stages ahead"
     return swap(solution, "held = min(m // rounds + 2 * p - 1, 2 * m)", "held = 2 * min(m, p)")
+
+
+@mutant("choose_schedule", "wrong",
+        message="interleaving's memory taken as section 4's 1 + (p-1)/(pv) times 1F1B's for every m: true only "
+                "when p divides m; device 0 holds its warm-up + 1 half stages, 12 and not 11 for p = 4, m = 6",
+        section="8. Design exercise (3 points): schedule, micro-batches and their size",
+        learner=L + "first attempt: attempts/lab12/choose_schedule-1.py")
+def interleaved_memory_by_section_4s_factor(solution):
+    "interleaving held as 1 + (p-1)/(pv) times 1F1B's for every m (section 4's m = 8): too little when p does not divide m"
+    return body(solution, """
+        def _candidates(case):
+            if "global_batch" in case:
+                B = case["global_batch"]
+                for m in range(1, B + 1):
+                    if B % m == 0 and B // m >= case["min_microbatch_size"]:
+                        yield m, B // m
+            else:
+                rows = case["microbatch_size"]
+                for m in range(1, case["max_global_batch"] // rows + 1):
+                    yield m, rows
+
+        def _cost(schedule, p, m, rows, bytes_per_sample):
+            if schedule == "GPipe":
+                return m * rows * bytes_per_sample, (p - 1) / (m + p - 1)
+            if schedule == "1F1B":
+                return min(m, p) * rows * bytes_per_sample, (p - 1) / (m + p - 1)
+            # interleaved, v = 2: section 4, 1 + (p-1)/(p v) times 1F1B's activations; bubble (p-1)/(2m+p-1), m >= p
+            v = 2
+            if m < p or m % max(1, m // p):
+                return None
+            return min(m, p) * (1 + (p - 1) / (p * v)) * rows * bytes_per_sample, (p - 1) / (v * m + p - 1)
+
+        p = case["num_stages"]
+        for m, rows in _candidates(case):
+            for schedule in ("1F1B", "interleaved", "GPipe"):
+                cost = _cost(schedule, p, m, rows, case["bytes_per_sample"])
+                if cost is None:
+                    continue
+                memory, bubble = cost
+                if memory <= case["memory_budget"] and bubble <= case["max_bubble"] + 1e-12:
+                    return schedule, m, rows
+        return None
+    """)
 
 
 @mutant("choose_schedule", "copy")

@@ -148,7 +148,8 @@ def _mismatch(sig, value, path: str, free, veiled: bool = False) -> Optional[tup
         if len(value) != len(rest):
             few = len(value) < len(rest)
             return (path, f"{len(value)} item(s), the check asked for {len(rest)}",
-                    f"{'fewer' if few else 'more'} items than the check asked for")
+                    f"a list with {'fewer' if few else 'more'} items than the solution's result there "
+                    "(what your code returned for a case, or the cases themselves)")
         for i, (s, v) in enumerate(zip(rest, value)):
             found = _mismatch(s, v, f"{path}[{i}]", free, veiled)
             if found:
@@ -251,23 +252,25 @@ def cases_of(cell) -> dict:
     ``{"expects", "free", "hidden"}`` and, where the solution stores some, its known
     ``misconceptions`` (:mod:`.misconceptions`: ids and fingerprints), the solution's
     ``reference`` fingerprint, and ``veiled``: the results only hidden lines bind or feed
-    (:func:`.hidden.fed_names`); ``{}`` for a cell without ``expects`` (nothing checked)."""
+    (:func:`.hidden.fed_names`), or read (:func:`.hidden.read_on_hidden`: a hidden check's); ``{}`` for a cell without ``expects`` (nothing checked)."""
     from ..notebook import graded_cell
     from ..notebook.cells import course_meta
     from ..notebook.notebooks import BEGIN_HIDDEN, strip_solution
     meta = course_meta(cell)
     if "expects" not in meta:
         return {}
-    from .hidden import fed_names
+    from .hidden import fed_names, read_on_hidden
     hidden, veiled = None, []
     if BEGIN_HIDDEN in cell.source:
         seen = set(graded_cell.bound_names(graded_cell.split(strip_solution(cell.source)).probe))
         hidden = sorted(set(meta["expects"]) - seen)
-        veiled = sorted(set(hidden) | (fed_names(cell.source) & set(meta["expects"])))
+        veiled = sorted(set(hidden) | ((fed_names(cell.source) | read_on_hidden(cell.source))
+                                       & set(meta["expects"])))
     known = [{"id": m["id"], "fingerprint": m["fingerprint"]} for m in stored_misconceptions(cell)]
     ref = meta.get(REFERENCE)
     return {"expects": dict(meta["expects"]), "free": list(meta.get("free", {})), "hidden": hidden,
-            "veiled": veiled, **({"misconceptions": known} if known else {}),
+            "veiled": veiled, "several": list(meta.get("several", {})),
+            **({"misconceptions": known} if known else {}),
             **({"reference": ref} if isinstance(ref, dict) and "fingerprint" in ref else {})}
 
 

@@ -161,3 +161,15 @@ def fed_names(source: str) -> Set[str]:
     for _, fed in _feeding(tree, hidden):
         out |= fed
     return out
+
+
+def read_on_hidden(source: str) -> Set[str]:
+    """The names the hidden lines of the graded cell ``source`` read: a visible result a
+    hidden check judges (lab 13's ``choice``, whose only check of its values is hidden) is
+    one of them, and the feedback treats it as hidden: the solution's value there is what
+    that hidden check expects (:func:`.misconceptions.first_difference`)."""
+    tree, hidden = parse(source), hidden_lines(source)
+    if tree is None or not hidden:
+        return set()
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            and n.lineno in hidden}

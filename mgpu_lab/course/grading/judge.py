@@ -293,7 +293,8 @@ def _named(reply: Reply, seen, cases: dict) -> Reply:
     elif cases.get("reference") and reply.error != CASES:
         try:
             reply.differs = first_difference(seen[0], seen[1], cases["reference"], seen[2],
-                                             cases.get("veiled") or ())[:DIFFERS_LIMIT]
+                                             cases.get("veiled") or (),
+                                             cases.get("several") or ())[:DIFFERS_LIMIT]
         except Exception:
             reply.differs = ""
     return reply

@@ -49,14 +49,17 @@ instructor's notebook (:func:`hint`): what the answer does, and the section to r
 It says nothing about the cases (no input, no value): only which known mistake matches.
 The fingerprint is taken before the judge part runs (it may change the tensors it reads),
 only where the cell has misconceptions and the answer has the containers and lengths of
-one (:func:`could_match`: its cost is bounded by the solution's cases).
+one (:func:`could_match`: its containers, lengths and case signatures; its cost is bounded by
+the solution's cases).
 
 **Where none matches** (:func:`first_difference`): the solution's own fingerprint is stored
 too (``metadata.mgpu_lab.reference``, with the numbers of each visible case of at most
 :data:`VALUES` numbers), and the feedback says what the check compared (the results it reads,
 case by case) and where the answer first differs from the solution's, visible results first:
-for a visible case its path and the kind of difference, and for a small one the element,
-expected and got; for a hidden case (a result only hidden lines bind, or one they feed:
+for a visible case its path and the kind of difference, and for a small one the element and
+its expected value (never the answer's own number: the learner's code computed it in the
+grader's kernel, where it can read the hidden inputs, so "got" would carry them out, as an
+exception's message would: docs/INSTRUCTORS.md); for a hidden case (a result only hidden lines bind, or one they feed:
 :func:`.hidden.fed_names`) only the kind of difference, never its place or values.
 """
 from __future__ import annotations
@@ -229,20 +232,34 @@ def _container(node) -> bool:
     return isinstance(node, list) and bool(node) and isinstance(node[0], str) and node[0][:1] in "[{"
 
 
-def _skeleton_fits(node, value) -> bool:
+def _skeleton_fits(node, value, depth: int = 0, seen: Optional[dict] = None) -> bool:
     """Whether ``value`` has the containers and lengths of fingerprint ``node`` (a walk as
-    long as the stored fingerprint, whatever ``value`` holds)."""
+    long as the stored fingerprint, whatever ``value`` holds), and at each of its cases the
+    same signature (structure, dtypes, shapes: else it can match no case there, and the
+    difference is its structure). So the fingerprint's cost is the stored one's: an answer
+    of a million one-number cases, or of one case of a million one-number lists, where the
+    solution has one small tensor cost the judge its 120 s time limit (a JudgeError).
+    ``seen``: the signatures already hashed, by the value's id (one answer, several
+    fingerprints)."""
     if not _container(node):
-        return True
+        if not isinstance(node, list) or not node or not isinstance(node[0], str):
+            return True                             # "free", or not a case
+        if depth < DEPTH and isinstance(value, (list, tuple, dict)) and 0 < len(value) <= WIDE:
+            return False                            # the fingerprint would split it into cases
+        seen = {} if seen is None else seen
+        if id(value) not in seen:
+            from .cases import render, signature
+            seen[id(value)] = (_hash(render(signature(value))), value)   # value: keeps its id
+        return seen[id(value)][0] == node[0]
     if node[0] == "[":
         if not isinstance(value, (list, tuple)) or len(value) != len(node) - 1:
             return False
-        return all(_skeleton_fits(n, v) for n, v in zip(node[1:], value))
+        return all(_skeleton_fits(n, v, depth + 1, seen) for n, v in zip(node[1:], value))
     if not isinstance(value, dict) or len(value) != len(node) - 1:
         return False
     keys = sorted(value, key=repr)
     return node[0] == "{" + _hash([_short(k) for k in keys]) and all(
-        _skeleton_fits(n, value[k]) for n, k in zip(node[1:], keys))
+        _skeleton_fits(n, value[k], depth + 1, seen) for n, k in zip(node[1:], keys))
 
 
 def could_match(answer: dict, names: Iterable[str], known: Iterable[dict]) -> bool:
@@ -250,13 +267,14 @@ def could_match(answer: dict, names: Iterable[str], known: Iterable[dict]) -> bo
     fingerprint (else none can match, and no fingerprint is taken: its cost stays that of
     the solution's cases, whatever the answer holds)."""
     import json
-    names = sorted(names)
+    names, seen = sorted(names), {}
     for m in known or ():
         try:
             theirs = json.loads(m["fingerprint"])
             if sorted(theirs) == names and all(
                     (n in answer) == (theirs[n] is not None)
-                    and (n not in answer or _skeleton_fits(theirs[n], answer[n])) for n in names):
+                    and (n not in answer or _skeleton_fits(theirs[n], answer[n], 0, seen))
+                    for n in names):
                 return True
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError):
             continue
@@ -350,15 +368,18 @@ _KINDS = {"structure": "another type, shape, dtype, length or key",
 
 
 def first_difference(mine: str, paths: List[str], ref: dict, values: Dict[str, List[float]],
-                     veiled: Iterable[str] = ()) -> str:
+                     veiled: Iterable[str] = (), several=()) -> str:
     """What the check compared and where the answer's results (fingerprint ``mine``, its
     nodes' ``paths``, its small visible cases' ``values``) first differ from the solution's
     (``ref``, :func:`reference`), visible results first; "" when no difference is seen
     (the check failed on what the fingerprints do not hold). A result in ``veiled`` is
-    described by the kind of difference only."""
+    described by the kind of difference only. ``several``: the cell's path patterns where
+    several values are right (``metadata.mgpu_lab.several``: a check of a property, not of
+    the solution's value), and everything below them: never named as a difference."""
     import json
+    from .cases import free_patterns
     a, b = json.loads(ref["fingerprint"]), json.loads(mine)
-    veiled = set(veiled)
+    veiled, patterns = set(veiled), free_patterns(several)
     names = sorted(a, key=lambda n: (n in veiled, n))
     shown = [f"`{n}`" for n in names if n not in veiled]
     hidden = len(names) - len(shown)
@@ -374,15 +395,27 @@ def first_difference(mine: str, paths: List[str], ref: dict, values: Dict[str, L
             kind = _differs(r, m)
             if kind is None:
                 continue
-            if name in veiled:
-                return said + f"a hidden case first differs: {_KINDS[kind]}."
             base = starts.get(name)
             path = paths[base + i] if base is not None and base + i < len(paths) else name
+            if patterns and any(f.match(p) for f in patterns for p in _prefixes(path)):
+                continue
+            if name in veiled:
+                return said + f"a hidden case first differs: {_KINDS[kind]}."
             return said + f"`{path}` is the first to differ: " + _detail(kind, r, m, ref, values, path)
-        if len(x) != len(y):
+        if len(x) != len(y) and not any(f.match(name) for f in patterns):
             return said + (f"`{name}`" if name not in veiled else "a hidden result") + \
                 f" first differs: {_KINDS['structure']}."
     return ""
+
+
+def _prefixes(path: str) -> List[str]:
+    """``"a[0]['k']"`` -> ``["a", "a[0]", "a[0]['k']"]``."""
+    out, depth = [], 0
+    for i, ch in enumerate(path):
+        if ch == "[" and depth == 0:
+            out.append(path[:i])
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+    return out + [path]
 
 
 def _starts(paths: List[str]) -> Dict[str, int]:
@@ -413,12 +446,15 @@ def _detail(kind: str, r, m, ref: dict, values: dict, path: str) -> str:
     want, got = (ref.get("values") or {}).get(path), values.get(path)
     if want is not None and got is not None and len(want) == len(got):
         rtol = max(float(r[2]), float(m[2]))
-        for i, (x, y) in enumerate(zip(want, got)):
-            if _close(x, y, rtol) > 1.0:
-                where = f"element {i} (counted flat, in order)" if len(want) > 1 else "its value"
-                return f"{where}: expected {x:.6g}, got {y:.6g}."
+        far = [_close(x, y, rtol) for x, y in zip(want, got)]
+        # the first element past the tolerance; else (every element within it, their sum
+        # of projections not) the farthest: the case differs, and some element must be named
+        i = next((k for k, d in enumerate(far) if d > 1.0), max(range(len(far)), key=far.__getitem__, default=None))
+        if i is not None and far[i] > 0.0:
+            where = f"element {i} (counted flat, in order)" if len(want) > 1 else "its value"
+            return f"{where}: expected {want[i]:.6g}."   # not the answer's: it can carry hidden inputs
     if len(r[3]) == PROJECTIONS + 1:
-        return f"{_KINDS[kind]} (norm: expected {r[3][0]:.6g}, got {m[3][0]:.6g})."
+        return f"{_KINDS[kind]} (its norm: expected {r[3][0]:.6g})."
     return _KINDS[kind] + "."
 
 
@@ -499,11 +535,11 @@ def hint(cell, misconception_id: Optional[str]) -> str:
         return ""
     for m in of_cell(cell):
         if m["id"] == misconception_id:
-            message = " ".join(str(m.get("message") or m["id"].replace("_", " ")).split())
-            if len(message) > MESSAGE_LIMIT:
-                message = message[:MESSAGE_LIMIT - 3] + "..."
+            message = " ".join(str(m.get("message") or m["id"].replace("_", " ")).split()).rstrip(".")
+            if len(message) > MESSAGE_LIMIT:      # the authors' test keeps theirs shorter: a fallback
+                message = message[:MESSAGE_LIMIT - 1] + "\u2026"
             section = " ".join(str(m.get("section") or "").split())[:SECTION_LIMIT]
-            return ("This looks like a known misconception: " + message.rstrip(".")
+            return ("This looks like a known misconception: " + message
                     + (f" (see '{section}')" if section else "") + ".")
     return ""
 

@@ -133,7 +133,7 @@ def lab_version(nb) -> str:
     ``misconceptions`` and ``reference``, which the learner's notebook does not carry) and each setup cell."""
     parts = [[gid, nbgrader_meta(c).get("points"), c.source,
               {k: v for k, v in course_meta(c).items()
-               if k not in ("expects", "free", "misconceptions", "reference")}]
+               if k not in ("expects", "free", "misconceptions", "reference", "several")}]
              for gid, c in graded_cells(nb).items()] + setup_sources(nb)
     text = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]

@@ -151,7 +151,7 @@ def make_lab(solution, lab: str = None) -> nbformat.NotebookNode:
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
         course = cell.metadata.get("mgpu_lab", {})
-        for key in ("expects", "free", "misconceptions", "reference"):   # the grader's: hidden cases
+        for key in ("expects", "free", "misconceptions", "reference", "several"):   # the grader's
             course.pop(key, None)
         if "mgpu_lab" in cell.metadata and not course:
             del cell.metadata["mgpu_lab"]
