@@ -107,8 +107,8 @@ def test_the_check_names_what_differs_and_veils_hidden_cases():
     good = {"runs": {2: [torch.ones(3, 2)] * 2, 4: [torch.tensor(2.0), "b"]}}   # a 0-dim tensor is a number
     assert cases.check_cases(expects, good) is None
     asked = "does not hold the case the check asked for: "
-    wrong = [({"runs": {2: [torch.ones(3, 2)] * 2}}, f"`runs` {asked}no key 4, which the check asked for"),
-             ({"runs": {2: [torch.ones(3, 2)] * 2, 4: [1, "b"], 3: []}}, "a key '3' the check did not ask for"),
+    wrong = [({"runs": {2: [torch.ones(3, 2)] * 2}}, f"`runs` {asked}no key 4, which the solution's result has there"),
+             ({"runs": {2: [torch.ones(3, 2)] * 2, 4: [1, "b"], 3: []}}, "a key '3' the solution's result does not have there"),
              ({"runs": {2: [], 4: [1, "b"]}}, f"`runs[2]` {asked}0 item(s), the check asked for 2"),
              ({"runs": {2: [torch.ones(32768, 1)] * 2, 4: [1, "b"]}},
               f"`runs[2][0]` {asked}a tensor of shape (32768, 1), the check expects (3, 2)"),
@@ -118,7 +118,8 @@ def test_the_check_names_what_differs_and_veils_hidden_cases():
     for answer, said in wrong:
         assert said in cases.check_cases(expects, answer)
     veiled = cases.check_cases(expects, {"runs": {2: [torch.ones(3, 2)]}}, hidden=[])
-    assert veiled == "`runs` does not hold the cases the check asked for: a key missing, which the check asked for"
+    assert veiled == ("`runs` does not hold the cases the check asked for: a dict without a key the solution's "
+                      "result has there (what your code returned for a case)")
     assert "hidden check's result" in cases.check_cases({"h": "[num] * 3"}, {"h": [1]}, hidden=["h"])
     assert not re.search(r"\d", cases.check_cases({"h": "[num] * 3"}, {"h": [1]}, hidden=["h"]))
     assert cases.check_cases(expects, {"runs": {2: [torch.ones(5)] * 2, 4: [1, "b"]}}, free=["runs[2][*]"]) is None

@@ -42,6 +42,33 @@ def no_floor(solution):
     return swap(solution, "scale = max(fp32(scale * backoff_factor), min_scale)", "scale = fp32(scale * backoff_factor)")
 
 
+@mutant("ex1_update_scale", "wrong",
+        message="grows when the count reaches growth_interval or more (>=): a tracker that starts above the interval "
+                "grows at once; the rule (torch._amp_update_scale_'s) grows only when the incremented tracker equals "
+                "the interval, and otherwise keeps counting",
+        section="Exercise 1 (3 points): the update rule, with hysteresis and a floor",
+        learner="learnC, 2026-12-05, considered: attempts/lab05/ex1_update_scale-1.py")
+def grows_at_or_past_the_interval(solution):
+    "the growth test >= growth_interval, not ==: a tracker above the interval grows at once"
+    return body(solution, """
+        f32 = lambda v: torch.tensor(v, dtype=torch.float32).item()
+        if found_inf:
+            growth_tracker = 0
+            hysteresis_left -= 1
+            if hysteresis_left <= 0:
+                scale = max(f32(scale * backoff_factor), min_scale)
+        else:
+            growth_tracker += 1
+            if growth_tracker >= growth_interval:
+                growth_tracker = 0
+                hysteresis_left = hysteresis
+                grown = f32(scale * growth_factor)
+                if not math.isinf(grown):
+                    scale = grown
+        return scale, growth_tracker, hysteresis_left
+    """)
+
+
 @mutant("ex1_update_scale", "reference")
 def kernel_through_getattr(solution):
     "torch._amp_update_scale_ itself, reached through getattr of a built name: no hysteresis, no floor"
@@ -150,15 +177,15 @@ def attack_kernel_in_a_worker_thread(solution):
 # --- ex3_train_master --------------------------------------------------------------
 
 @mutant("ex3_train_master", "wrong")
-def clips_the_scaled_gradients(solution):
-    "clips before unscale_: the norm clipped is S times the true one"
-    return swap(solution, "        scaler.unscale_(optimizer)\n", "")
-
-
-@mutant("ex3_train_master", "wrong")
 def the_replica_never_follows(solution):
     "the masters step, but their values are never copied back: the fp16 model trains nothing"
     return swap(solution, "                p.copy_(m)\n", "                pass\n")
+
+
+@mutant("ex3_train_master", "wrong")
+def clips_the_scaled_gradients(solution):
+    "clips before unscale_: the norm clipped is S times the true one"
+    return swap(solution, "        scaler.unscale_(optimizer)\n", "")
 
 
 @mutant("ex3_train_master", "reference")
@@ -288,6 +315,41 @@ def clips_before_leaving_out_the_overflow(solution):
     solution = swap(solution, "        nn.utils.clip_grad_norm_(kept, max_grad_norm)\n", "")
     return swap(solution, "        steps, kept = [], []\n",
                 "        steps, kept = [], []\n        nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)\n")
+
+
+@mutant("ex5_group_skipping", "wrong",
+        message="unscales the gradients itself (exercise 2's unscale_grads_) instead of with scaler.unscale_(optimizer): "
+                "GradScaler.update() decides from the found-inf flags that unscale_ records, and finds none "
+                "('No inf checks were recorded prior to update')",
+        section="11. For real: one scaler, parameter groups that skip on their own",
+        learner="learnC, 2026-12-05, considered: attempts/lab05/ex5_group_skipping-1.py")
+def own_unscale_then_update(solution):
+    "the per-group flags of exercise 2's unscale_grads_, the gradients unscaled by hand: scaler.update() has no flags"
+    return body(solution, """
+        for x, y in batches:
+            optimizer.zero_grad()
+            with torch.autocast(device_type, dtype=dtype):
+                out = model(x)
+                loss = loss_fn(out, y)
+            scaler.scale(loss).backward()
+            # the per-group flags of exercise 2
+            inv = torch.tensor(scaler.get_scale()).double().reciprocal().float()
+            groups = [[p.grad for p in group["params"] if p.grad is not None] for group in optimizer.param_groups]
+            flags = unscale_grads_(groups, inv)
+            ok = [bool(f == 0) for f in flags]
+            for group, o in zip(optimizer.param_groups, ok):
+                if not o:
+                    for p in group["params"]:
+                        p.grad = None
+            stepping = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if stepping:
+                torch.nn.utils.clip_grad_norm_(stepping, max_grad_norm)
+            optimizer.step()
+            scaler.update()
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+            stepped.append(ok)
+    """)
 
 
 @mutant("ex5_group_skipping", "reference")

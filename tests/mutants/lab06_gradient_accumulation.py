@@ -9,14 +9,23 @@ LAB = "06_gradient_accumulation"
 # The loss weights tokens by class (cross-entropy's weight=): a micro-batch's mean divides by the sum of its
 # tokens' weights. Counting tokens (the 2024 fix, and GradientAccumulator given token counts) computes another mean.
 
-@mutant("ex1_token_window", "wrong")
+@mutant("ex1_token_window", "wrong",
+        message="weights each micro-batch's weighted mean by its share of the window's real tokens (n_i / N, the 2024 "
+                "fix): with class weights a micro-batch's mean divides by the sum of its tokens' weights, not by their "
+                "number, so its share is its sum of weights over the window's",
+        section="Exercise 1 (3 points): accumulate a window whose loss weights its tokens",
+        learner="learnC, 2026-12-05, considered: attempts/lab06/ex1_token_window-1.py")
 def weights_by_token_counts(solution):
     "each micro-batch weighted by its share of the window's tokens: the unweighted fix, not the weighted mean's"
     return swap(solution, "sums = [float(class_weight[y[y != -100]].sum()) for _, y in micro_batches]",
                 "sums = [int((y != -100).sum()) for _, y in micro_batches]")
 
 
-@mutant("ex1_token_window", "wrong")
+@mutant("ex1_token_window", "wrong",
+        message="GradientAccumulator given num_samples = the tokens: it weights each micro-batch by its token count "
+                "and divides by the window's tokens; a weighted mean divides by the sum of the tokens' weights, so "
+                "num_samples must be that sum",
+        section="Exercise 1 (3 points): accumulate a window whose loss weights its tokens")
 def accumulator_given_token_counts(solution):
     "mgpu_lab.GradientAccumulator with num_samples = tokens: it divides by the token count, not the weights' sum"
     return body(solution, """
@@ -70,14 +79,21 @@ GA_COPY = """
         spec.loader.exec_module(copy)"""
 
 
-@mutant("ex2_scaler", "wrong")
+@mutant("ex2_scaler", "wrong",
+        message="divides each micro-batch's loss by k: with uneven micro-batches, and a short last window, each "
+                "micro-batch's mean must be weighted by its share of the window's samples, n_i / N",
+        section="3b. Dividing by k when micro-batches are uneven or the last window is short")
 def divides_by_k_with_uneven_micro_batches(solution):
     "each micro-batch's loss divided by k: wrong when the micro-batches are uneven"
     return swap(solution, "F.mse_loss(model(xb.half()).float(), yb) * (len(xb) / total)",
                 "F.mse_loss(model(xb.half()).float(), yb) / len(window)")
 
 
-@mutant("ex2_scaler", "wrong")
+@mutant("ex2_scaler", "wrong",
+        message="lets the window add up in the fp16 model's .grad and copies it to the masters at the end: every "
+                "partial sum is rounded to fp16; add each micro-batch's fp16 gradient into the masters' fp32 .grad "
+                "(Megatron's main_grad) and clear the fp16 .grad before the next micro-batch",
+        section="Exercise 2 (4 points): accumulation with a loss scaler, fp16 replicas and an fp32 accumulator")
 def accumulates_in_the_fp16_grad(solution):
     "the window added up in the fp16 .grad, copied to the masters at its end: every partial sum rounded to fp16"
     solution = swap(solution, """            for p, m in zip(params, masters):
@@ -157,7 +173,11 @@ def attack_second_copy_of_the_accumulator(solution):
 
 # --- ex3_no_sync --------------------------------------------------------------------
 
-@mutant("ex3_no_sync", "wrong")
+@mutant("ex3_no_sync", "wrong",
+        message="enters no_sync() around the backward only: torch's DDP decides in forward whether the coming "
+                "backward communicates, so every micro-batch still all-reduces and the ranks hold equal gradients "
+                "before the window ends; wrap forward and backward of every micro-batch but the last",
+        section="3e. All-reducing on every micro-step")
 def no_sync_around_backward_only(solution):
     "no_sync around the backward only: torch DDP decided in forward, it all-reduces k times"
     return body(solution, """
@@ -206,7 +226,10 @@ def swallows_assertion_errors(solution):
     """)
 
 
-@mutant("ex3_no_sync", "wrong")
+@mutant("ex3_no_sync", "wrong",
+        message="runs every micro-batch inside no_sync(), the last one too: no backward all-reduces, so each rank "
+                "ends with its own running sum; the last micro-batch's forward and backward must run outside no_sync",
+        section="3e. All-reducing on every micro-step")
 def no_sync_for_every_micro_batch(solution):
     "no_sync around every micro-batch, the last one too: nothing is ever averaged"
     return swap(solution, "        if i < k - 1:", "        if True:")
@@ -281,6 +304,38 @@ def weights_by_this_ranks_weight(solution):
 def counts_tokens_not_weights(solution):
     "every real token counted 1, whatever its weight: the weighted means mixed by token counts"
     return swap(solution, "        n = w.sum().item()", "        n = float((y != -100).sum())")
+
+
+@mutant("ex5_ragged_tokens", "wrong",
+        message="divides each rank's weighted loss sums by the window's weight over all ranks, then lets DDP combine "
+                "them: DDP averages the ranks' gradients (it divides by the number of ranks), so the gradient is "
+                "world_size times too small; multiply by the number of ranks as well (W / N)",
+        section="The real case: ragged token counts on every rank",
+        learner="learnC, 2026-12-05, considered: attempts/lab06/ex5_ragged_tokens-1.py")
+def forgets_ddps_average_over_ranks(solution):
+    "each rank's weighted loss sums divided by the global weight, DDP's average over the ranks not undone"
+    return body(solution, """
+        world = dist.get_world_size()
+        local_w = sum(w.sum() for _, _, w in micro_batches).reshape(1).float()
+        total = local_w.clone()
+        dist.all_reduce(total)                       # the window's weight over all ranks
+        W = total.item()
+        local_loss = 0.0
+        for i, (x, y, w) in enumerate(micro_batches):
+            def step():
+                per_token = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="none")
+                loss_sum = (per_token * w.reshape(-1)).sum()
+                (loss_sum / W).backward()            # the share of the global weight
+                return loss_sum.item()
+            if i < len(micro_batches) - 1:
+                with model.no_sync():
+                    local_loss += step()
+            else:
+                local_loss += step()
+        loss = torch.tensor([local_loss])
+        dist.all_reduce(loss)
+        return loss.item() / W
+    """)
 
 
 @mutant("ex5_ragged_tokens", "reference")

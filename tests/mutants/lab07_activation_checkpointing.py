@@ -116,6 +116,52 @@ def replays_only_the_default_generators(solution):
                 "        for g, s in zip(generators, now):\n            g.set_state(s)", "")
 
 
+@mutant("ex2_checkpoint", "wrong",
+        message="sets a generator argument back to its state before forward for the recompute, and leaves it where the "
+                "recompute ends: that is where this call's forward left it, not where the whole forward left it; with "
+                "two checkpointed calls drawing from one generator (Megatron's RNG tracker) backward recomputes the "
+                "second, then the first, and the generator ends after the first call's draws; save its state before "
+                "the recompute and restore it after",
+        section="Exercise 2 (5 points): your own checkpoint, generators included",
+        learner="learnC, 2026-12-05, considered: attempts/lab07/ex2_checkpoint-1.py")
+def generator_left_where_the_recompute_ends(solution):
+    "a generator argument replayed for the recompute but not restored after it: with two checkpointed calls sharing "
+    "it, it ends after the first call's draws"
+    return body(solution, """
+        gens = [a for a in args if isinstance(a, torch.Generator)]
+        devices = sorted({a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+        cpu_state = torch.get_rng_state()
+        cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+        gen_states = [g.get_state() for g in gens]
+        recomputed = []
+
+        def recompute():
+            inputs = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(cpu_state)
+                for d, st in zip(devices, cuda_states):
+                    torch.cuda.set_rng_state(st, d)
+                for g, st in zip(gens, gen_states):
+                    g.set_state(st)
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: recomputed.append(t.detach()) or len(recomputed) - 1, lambda i: recomputed[i]):
+                    fn(*inputs)
+
+        def pack(t):
+            pack.count += 1
+            return pack.count - 1
+        pack.count = 0
+
+        def unpack(i):
+            if not recomputed:
+                recompute()
+            return recomputed[i]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(*args)
+    """)
+
+
 @mutant("ex2_checkpoint", "copy")
 def copies_keeps_everything_of_section_2(solution):
     "section 2's checkpoint in name only: fn runs once and every activation is kept"
@@ -158,6 +204,31 @@ def fewest_segments_that_fit(solution):
             if saved_tensor_bytes(lambda h: checkpoint_sequential(blocks, k, h, use_reentrant=False), x) <= budget_bytes:
                 return k
         return None
+    """)
+
+
+@mutant("ex3_choose_segments", "wrong",
+        message="models the bytes of k segments with section 4's approximation (k - 1) a + (n / k) b: "
+                "checkpoint_sequential puts the remainder of n / k into the last segment, which is not checkpointed, "
+                "so for a k that does not divide n the model undercounts and the k chosen does not fit; measure every k "
+                "(or count the last segment's n - (k - 1) floor(n / k) blocks)",
+        section="4. Segments and the $\\sqrt{n}$ rule",
+        learner="learnC, 2026-12-05, considered: attempts/lab07/ex3_choose_segments-1.py")
+def models_the_bytes_with_n_over_k(solution):
+    "the bytes of k segments modelled as (k - 1) a + (n / k) b: a k that does not divide n keeps more than that"
+    return body(solution, """
+        # section 4's model: M(k) = (k - 1) a + (n / k) b, a = a segment input, b = one block's saved bytes
+        a = x.numel() * x.element_size()
+        b = saved_tensor_bytes(blocks, x) / n
+        best = None
+        for k in range(1, n + 1):
+            saved = (k - 1) * a + n / k * b
+            if saved > budget_bytes:
+                continue
+            cost = (k - 1) * (n // k)
+            if best is None or cost < best[0]:
+                best = (cost, k)
+        return None if best is None else best[1]
     """)
 
 

@@ -160,12 +160,12 @@ def _mismatch(sig, value, path: str, free, veiled: bool = False) -> Optional[tup
                 "the check expects a dict")
     missing = [k for k in rest if k not in value]
     if missing:
-        return (path, f"no key {missing[0]!r}, which the check asked for",
-                "a key missing, which the check asked for")
+        return (path, f"no key {missing[0]!r}, which the solution's result has there",
+                "a dict without a key the solution's result has there (what your code returned for a case)")
     extra = [k for k in value if k not in rest]
     if extra:
-        return (path, f"a key {str(extra[0])[:40]!r} the check did not ask for",
-                "a key the check did not ask for")
+        return (path, f"a key {str(extra[0])[:40]!r} the solution's result does not have there",
+                "a dict with a key the solution's result does not have there (what your code returned for a case)")
     for k, s in rest.items():
         found = _mismatch(s, value[k], f"{path}[{k!r}]", free, veiled)
         if found:
