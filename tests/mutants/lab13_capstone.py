@@ -15,6 +15,17 @@ def no_recompute(solution):
 
 
 @mutant("parallelize", "wrong")
+def fsdp_at_the_root_only(solution):
+    "one fully_shard at the root: the whole model is one unit, gathered once and kept through backward"
+    return swap(solution, "        fully_shard(block, mesh=mesh[\"dp\"])                       # 3. FSDP: each TP shard "
+                          "sharded over dp\n", "")
+
+
+@mutant("parallelize", "wrong",
+        message="nothing saved: each block recomputed whole, backward runs the tensor-parallel all-reduces again (no "
+                "selective policy, or a set of operator packets, torch.ops.aten.mm, never equal to the overload the "
+                "policy gets, aten.mm.default)",
+        learner="learnF, 2026-12-05, considered: attempts/lab13/parallelize-1.py")
 def full_recompute(solution):
     "a full recompute of each block: backward runs the tensor-parallel all-reduces again"
     return swap(solution, "checkpoint_wrapper(block, context_fn=selective)", "checkpoint_wrapper(block)")
@@ -25,13 +36,6 @@ def fsdp_before_tp(solution):
     "fully_shard first, then the TP plan: parallelize_module meets weights already sharded over dp"
     return swap(solution, "        parallelize_module(block, mesh[\"tp\"], plan)               # 1. TP",
                 "        fully_shard(block, mesh=mesh[\"dp\"])\n        parallelize_module(block, mesh[\"tp\"], plan)  # 1. TP")
-
-
-@mutant("parallelize", "wrong")
-def fsdp_at_the_root_only(solution):
-    "one fully_shard at the root: the whole model is one unit, gathered once and kept through backward"
-    return swap(solution, "        fully_shard(block, mesh=mesh[\"dp\"])                       # 3. FSDP: each TP shard "
-                          "sharded over dp\n", "")
 
 
 @mutant("parallelize", "wrong")
@@ -98,6 +102,15 @@ def patches_sorted(solution):
 
 
 # --- cost_model --------------------------------------------------------------------
+
+@mutant("cost_model", "wrong",
+        message="FSDP's two all-gathers and reduce-scatter counted once per micro-batch: the cost model counts them "
+                "once per step (2N/(tp·pp) bytes each), not m times as the small run of section 5 issues them",
+        learner="learnF, 2026-12-05, considered: attempts/lab13/cost_model-1.py")
+def fsdp_collectives_per_micro_batch(solution):
+    "FSDP's all-gathers and reduce-scatter m times per step: data parallelism looks m times dearer"
+    return swap(solution, "dp_time = 3 * (dp - 1) / dp", "dp_time = m * 3 * (dp - 1) / dp")
+
 
 @mutant("cost_model", "wrong")
 def tensor_parallel_always_over_nvlink(solution):

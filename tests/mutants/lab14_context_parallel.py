@@ -12,6 +12,33 @@ def sum_not_rebased(solution):
     return swap(solution, "l = l * rebase + p.sum(-1)", "l = l + p.sum(-1)")
 
 
+@mutant("online_attention", "wrong",
+        message="m kept as the max of the raw q·k, the 1/√d applied inside the exponentials: the output is right, but "
+                "m + log(l) is then not the row's log-sum-exp, the number ring attention merges partial results with",
+        section="2. The online softmax",
+        learner="learnF, 2026-12-05, considered: attempts/lab14/online_attention-1.py")
+def running_max_of_unscaled_scores(solution):
+    "m kept as the max of the raw q·k (FlashAttention-2's bookkeeping), not of the scores q kᵀ/√d: m + log l is no log-sum-exp"
+    return body(solution, """
+        Lq = q.shape[0]
+        m = torch.full((Lq,), float("-inf"))     # running max of the raw q.k (FlashAttention-2 keeps it unscaled)
+        l = torch.zeros(Lq)
+        acc = torch.zeros(Lq, v.shape[-1])
+        history = []
+        for start in range(0, k.shape[0], block_size):
+            kb, vb = k[start:start + block_size], v[start:start + block_size]
+            s = q @ kb.T
+            m_new = torch.maximum(m, s.max(-1).values)
+            p = torch.exp((s - m_new[:, None]) * scale)
+            correction = torch.exp((m - m_new) * scale)
+            l = l * correction + p.sum(-1)
+            acc = acc * correction[:, None] + p @ vb
+            m = m_new
+            history.append((m, l))
+        return acc / l[:, None], history
+    """)
+
+
 # The history is the state the online algorithm keeps. An answer that recomputes each
 # prefix's (m, l) from its definition passes (it shows what the state is; it costs the
 # quadratic memory the algorithm avoids, which no check of values can see); the reference
@@ -54,6 +81,18 @@ def key_gradients_stay_local(solution):
     "dK and dV passed on without the previous ranks' part: each block's gradient counts one rank's queries"
     return swap(solution, """                dk_in, dv_in = grads()
                 dk, dv = dk + dk_in, dv + dv_in""", """                grads()""")
+
+
+@mutant("window_ring_attention", "wrong",
+        message="the window's lower bound is inclusive (keys j with i − w ≤ j ≤ i): each query sees w + 1 positions; "
+                "the w most recent positions, itself included, are i − w < j ≤ i",
+        section="Exercise 2 (5 points): ring attention with a sliding window",
+        learner="learnF, 2026-12-05, considered: attempts/lab14/window_ring_attention-1.py")
+def window_of_w_plus_one_keys(solution):
+    "the window's mask j >= i - w: w + 1 keys per query, one more than the window"
+    solution = swap(solution, "(k_pos[None, :] > q_pos[:, None] - window)", "(k_pos[None, :] >= q_pos[:, None] - window)")
+    return swap(solution, "(k_pos[None, :] > q_pos[:, None] - ctx.window)",
+                "(k_pos[None, :] >= q_pos[:, None] - ctx.window)")
 
 
 @mutant("window_ring_attention", "reference")
@@ -174,6 +213,23 @@ def redefines_run_window(solution):
 def striped_chunks(solution):
     "chunks dealt round-robin (r, r + N, ...): balanced in the limit of many chunks, not with a few"
     return body(solution, """
+        return [list(range(r, n_chunks, world_size)) for r in range(world_size)]
+    """)
+
+
+@mutant("choose_layout", "wrong",
+        message="chunks dealt round-robin (r, r+N, ...), as Striped Attention stripes tokens: at each ring step, a "
+                "rank whose keys come from a lower rank computes c more chunk pairs than one whose keys come from a "
+                "higher one; mirror pairs cost the same",
+        section="4. The causal imbalance, and the zig-zag",
+        learner="learnF, 2026-12-05, considered: attempts/lab14/choose_layout-1.py")
+def striped_chunks_none_for_one_chunk(solution):
+    "chunks dealt round-robin, None for one chunk per rank: striping balances only with many chunks per rank"
+    return body(solution, """
+        # Striped (round-robin) layout, as Striped Attention does token by token: rank r holds r, r + N, r + 2N, ...
+        per = n_chunks // world_size
+        if world_size > 1 and per == 1:
+            return None        # one chunk per rank: contiguous, idles (N-1)/(2N-1)
         return [list(range(r, n_chunks, world_size)) for r in range(world_size)]
     """)
 

@@ -12,6 +12,30 @@ def local_counts(solution):
     return swap(solution, "    dist.all_reduce(counts)", "    pass")
 
 
+@mutant("global_balance_loss", "wrong",
+        message="P all-reduced too (with autograd) over every rank's tokens: each rank returns the whole loss, and the "
+                "all-reduce's backward adds every rank's gradient into its logits; only f is global, P is the mean "
+                "over this rank's tokens",
+        section="3. The load-balancing loss",
+        learner="learnF, 2026-12-05, considered: attempts/lab15/global_balance_loss-1.py")
+def probabilities_all_reduced_too(solution):
+    "P over every rank's tokens by a differentiable all-reduce: the loss counted N times in the logits' gradients"
+    return body(solution, """
+        # "global batch": f and P both over every rank's tokens (P's sum all-reduced with autograd)
+        import torch.distributed.nn.functional as dnn
+        E = router_logits.shape[-1]
+        probs = torch.softmax(router_logits, dim=-1)
+        chosen = router_logits.topk(top_k, dim=-1).indices
+        counts = torch.bincount(chosen.flatten(), minlength=E).float()
+        dist.all_reduce(counts)                       # every rank's assignments
+        f = counts / counts.sum()
+        tokens = torch.tensor([float(len(router_logits))])
+        dist.all_reduce(tokens)
+        P = dnn.all_reduce(probs.sum(0)) / tokens
+        return E * (f * P).sum()
+    """)
+
+
 @mutant("global_balance_loss", "reference")
 def calls_load_balancing_loss(solution):
     "the library's load_balancing_loss as MoE calls it: f from this rank's assignments"
@@ -86,6 +110,59 @@ def outputs_left_grouped_by_expert(solution):
     "the experts' outputs sent back in expert order, not in the order the rows arrived"
     return swap(solution, "for expert, part in zip(local_experts, parts)])[regroup.argsort()]",
                 "for expert, part in zip(local_experts, parts)])")
+
+
+@mutant("ep_dispatch_combine", "wrong",
+        message="the arrived rows taken as grouped by local expert: all_to_all_single puts them in source rank order, "
+                "each source's piece grouped by expert, so rows go through the wrong experts; the [source, local "
+                "expert] count table says which",
+        section="4. Expert parallelism: dispatch and combine",
+        learner="learnF, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-1.py")
+def arrived_rows_taken_as_grouped_by_expert(solution):
+    "the arrived rows' experts from the counts summed over the sources: rows grouped by expert, not by source rank"
+    return swap(solution, "local_id = torch.arange(per).repeat(n).repeat_interleave(incoming)",
+                "local_id = torch.arange(per).repeat_interleave(incoming.view(n, per).sum(0))")
+
+
+# Hidden only, and no fingerprint (the probe raises): with the 2-rank visible case every rank's experts receive rows.
+@mutant("ep_dispatch_combine", "wrong",
+        message="an expert with no rows skipped: on a rank whose experts receive nothing, the rows it sends back do not "
+                "require grad, so it skips the backward all-to-all the other ranks wait in; run every expert, on zero "
+                "rows if need be",
+        section="Exercise 2 (5 points): dispatch and combine",
+        learner="learnF, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-2.py")
+def experts_without_rows_skipped(solution):
+    "experts with no rows skipped: a rank that received nothing leaves the backward all-to-all, the others hang"
+    return body(solution, """
+        T, k = experts.shape
+        per = num_experts // n
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)                  # assignments sorted by expert = by destination
+        token_of = torch.arange(T).repeat_interleave(k)[order]
+        rows = x[token_of]
+        counts = torch.bincount(flat, minlength=num_experts)       # per expert
+        # 1. counts: rank d gets my counts for its experts
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts)
+        recv = recv.view(n, per)                                  # [source, local expert]
+        send_counts = counts.view(n, per).sum(1).tolist()
+        recv_counts = recv.sum(1).tolist()
+        # 2. dispatch
+        got = all_to_all(rows, send_counts, recv_counts)
+        # 3. local experts: received rows are by source, then by expert
+        local_id = torch.arange(per).repeat(n).repeat_interleave(recv.reshape(-1))
+        out = torch.zeros_like(got)
+        for i, expert in enumerate(local_experts):
+            sel = local_id == i
+            if sel.any():                                         # an expert with no rows has nothing to do
+                out[sel] = expert(got[sel])
+        # 4. combine
+        back = all_to_all(out, recv_counts, send_counts)
+        y_flat = torch.zeros_like(back)
+        y_flat[order] = back
+        y = (y_flat.view(T, k, -1) * weights[..., None]).sum(1)
+        return y, send_counts, recv_counts
+    """)
 
 
 @mutant("ep_dispatch_combine", "reference")
