@@ -126,9 +126,8 @@ def one_flag_for_every_group(solution):
 
 
 @mutant("ex2_unscale", "wrong",
-        message="looks for inf/NaN after unscaling, in the products: a finite gradient that overflows while it is "
-                "multiplied by inv_scale (a scale backed off below 1, a value near the format's largest) is flagged, "
-                "where the kernel's flag looks at the values before they are unscaled",
+        message="looks for inf/NaN in the unscaled products: a finite gradient that overflows when multiplied by "
+                "inv_scale (a scale below 1) is flagged; the kernel's flag looks at the values before unscaling",
         section="Exercise 2 (3 points): unscale, with a flag per parameter group",
         learner="learnH, 2026-12-05, considered: attempts/lab05/ex2_unscale-1.py")
 def checks_after_unscaling(solution):
