@@ -20,6 +20,22 @@ def larger_slices_first(solution):
     """)
 
 
+@mutant("rank_slice", "wrong",
+        message="takes torch.tensor_split's slices from the other end (rank r gets slice N-1-r): the sizes are right, "
+                "but rank 0 holds the batch's last rows; the slices must follow the rows in rank order, so only the "
+                "sizes are reversed",
+        section="5. Warm-up: each rank's slice of the batch",
+        learner="learnA, 2026-12-05, considered: attempts/lab00/rank_slice-1.py")
+def reversed_slices(solution):
+    "tensor_split's slices taken from the other end: the larger ones last, but the rows in reverse rank order"
+    return body(solution, """
+        base, extra = divmod(batch.shape[0], world_size)
+        r = world_size - 1 - rank                      # torch.tensor_split's slice, counted from the end
+        start = r * base + min(r, extra)
+        return batch[start:start + base + (r < extra)]
+    """)
+
+
 @mutant("rank_slice", "wrong")
 def a_copy_not_a_view(solution):
     "the right rows, but copied (.clone()) instead of a view"
@@ -74,6 +90,23 @@ def mean_of_the_ranks_means(solution):
         mean = local_rows.mean(dim=0)
         dist.all_reduce(mean)
         return mean / dist.get_world_size()
+    """)
+
+
+@mutant("global_mean", "wrong",
+        message="weights each rank's mean by its rows, sum(n_i * mean_i) / sum(n_i): a rank with 0 rows has a NaN "
+                "mean (0 / 0), and 0 * NaN is NaN, so every rank gets NaN; send each rank's sum of rows (0 when it "
+                "has none) and its count instead",
+        section="5. Warm-up: each rank's slice of the batch",
+        learner="learnA, 2026-12-05, considered: attempts/lab00/global_mean-1.py")
+def weights_the_ranks_means(solution):
+    "the per-rank means weighted by their rows: NaN on every rank when one rank holds no rows"
+    return body(solution, """
+        n = torch.tensor(float(local_rows.shape[0]), dtype=local_rows.dtype, device=local_rows.device)
+        weighted = local_rows.mean(dim=0) * n
+        dist.all_reduce(weighted)
+        dist.all_reduce(n)
+        return weighted / n
     """)
 
 

@@ -73,6 +73,17 @@ def deep_copies(solution):
     """)
 
 
+@mutant("my_replicate", "wrong",
+        message="every replica on the buffer's device uses the module's own buffer: on virtual devices (all the CPU) "
+                "that is every replica, all updating the same running statistics; only the first replica aliases "
+                "them, the others get detached copies",
+        section="3. Replicate: copies that stay connected",
+        learner="learnA, 2026-12-05, considered: attempts/lab01/my_replicate-1.py")
+def aliases_buffers_wherever_they_live(solution):
+    "the buffers aliased by every replica on the buffer's device (like view_as for parameters), not by the first only"
+    return swap(solution, "(b if i == 0 and b.device == device", "(b if b.device == device")
+
+
 @mutant("my_replicate", "wrong")
 def casts_batchnorm_too(solution):
     "every floating-point parameter cast to the dtype, BatchNorm's included (apex keeps them fp32)"
@@ -240,6 +251,17 @@ def patches_allclose(solution):
 def same_learning_rate(solution):
     "the article's setting: the learning rate tuned for batch B, unchanged for k·B"
     return body(solution, "return lr")
+
+
+@mutant("lr_for_batch", "wrong",
+        message="scales the learning rate by sqrt(k), which keeps the noise of a step the same; with plain SGD a step "
+                "on k·B samples goes about as far as a step on B samples, so matching k small steps takes k times "
+                "the learning rate (the linear rule)",
+        section="7. One device with batch *B* vs DataParallel with batch *2B*",
+        learner="learnA, 2026-12-05, considered: attempts/lab01/lr_for_batch-1.py")
+def square_root_for_sgd(solution):
+    "the square-root rule (the gradient's noise kept constant) for plain SGD: too small a step per sample"
+    return body(solution, "return lr * (new_batch / batch) ** 0.5")
 
 
 @mutant("lr_for_batch", "wrong")

@@ -178,7 +178,8 @@ def token_level(solution):
     return body(solution, TOKEN_LEVEL)
 
 
-@mutant("masked_parallel_criterion", "wrong")
+@mutant("masked_parallel_criterion", "wrong",
+        learner="learnA, 2026-12-05, considered: attempts/lab02/masked_parallel_criterion-1.py")
 def counts_sequences_that_are_all_padding(solution):
     "divides by every sequence of the batch, the all-padding ones included (they have no loss)"
     return swap(solution, "        count = count + has_tokens.sum().to(devices[0])",
