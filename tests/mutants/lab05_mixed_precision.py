@@ -125,6 +125,22 @@ def one_flag_for_every_group(solution):
     return swap(solution, "                found_inf[k] = 1.0", "                found_inf.fill_(1.0)")
 
 
+@mutant("ex2_unscale", "wrong",
+        message="looks for inf/NaN in the unscaled products: a finite gradient that overflows when multiplied by "
+                "inv_scale (a scale below 1) is flagged; the kernel's flag looks at the values before unscaling",
+        section="Exercise 2 (3 points): unscale, with a flag per parameter group",
+        learner="learnH, 2026-12-05, considered: attempts/lab05/ex2_unscale-1.py")
+def checks_after_unscaling(solution):
+    "the flag computed on the unscaled products, not on the values before: an overflow of the unscaling is flagged"
+    return body(solution, """
+        for i, group in enumerate(groups):
+            for g in group:
+                g.mul_(inv_scale)
+                if not torch.isfinite(g).all():
+                    found_inf[i] = 1.0
+    """)
+
+
 @mutant("ex2_unscale", "reference")
 def fused_kernel_under_an_alias(solution):
     "the fused kernel it re-implements, imported under another name, on the whole list: one flag"
@@ -261,6 +277,22 @@ def tiny_targets(solution):
         x = torch.randn(256, 8, generator=g)
         y = 1e-4 * torch.tanh(x @ torch.randn(8, 4, generator=g))
         return {"x": x, "y": y, "loss_weight": 1.0, "lr": 0.01, "steps": 50}
+    """)
+
+
+@mutant("ex4_underflow", "wrong",
+        message="the output gradients (about 1e-7 here) are not all below fp16's smallest subnormal 2^-24 (6e-8): "
+                "many survive as subnormals, Adam divides by their size, and fp16 without a scaler trains like fp32",
+        section="2. Small gradients flush to zero",
+        learner="learnH, 2026-12-05, considered: attempts/lab05/ex4_underflow-1.py")
+def weight_not_small_enough(solution):
+    "a loss weight that leaves the gradients near 2^-24, not below it: subnormal, not zero, and Adam still trains"
+    return body(solution, """
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1024, 16, generator=g)
+        y = x @ torch.randn(16, 64, generator=g)
+        # tiny loss weight: the output gradients 2*err/(1024*64)*weight fall below fp16's 2^-24
+        return dict(x=x, y=y, loss_weight=1e-3, lr=1e-2, steps=100)
     """)
 
 
