@@ -332,6 +332,28 @@ def no_set_epoch(solution):
     return swap(solution, "        sampler.set_epoch(epoch)  # permutation seeded by SEED + epoch, the same on every rank\n", "")
 
 
+@mutant("ex6_ddp_script", "wrong",
+        message="the validation set evaluated over its DistributedSampler with the padding kept: 25 samples on 2 ranks "
+                "are padded to 26, sample 0 counted twice (val_count 26); drop the repeated positions before the "
+                "all-reduce",
+        section="What changes, line by line",
+        learner="learnG, 2026-12-05, first attempt: attempts/lab03/ex6_ddp_script-1.py")
+def counts_the_validation_padding(solution):
+    "the validation sampler's padding repeats all-reduced with the real samples: 26 counted, sample 0 twice"
+    return swap(solution, "errors = torch.cat(errors)[real.to(device)]", "errors = torch.cat(errors)")
+
+
+@mutant("ex6_ddp_script", "wrong",
+        message="the validation sampler with drop_last=True: the tail is dropped instead of the padding, 24 of the 25 "
+                "samples counted; every sample counts once, so only the repeats go",
+        section="3. Sharding the data: `DistributedSampler`",
+        learner="learnG, 2026-12-05, considered: attempts/lab03/ex6_ddp_script-2.py")
+def drops_the_validation_tail(solution):
+    "the validation DistributedSampler with drop_last=True: 24 of 25 samples evaluated"
+    return swap(solution, "DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False)",
+                "DistributedSampler(val_set, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)")
+
+
 @mutant("ex6_ddp_script", "copy")
 def the_single_script_on_every_rank(solution):
     "lab03_single.py's training copied: every rank trains on all 64 samples, rank 0 saves, the JSON says DDP"

@@ -191,6 +191,16 @@ def assumes_the_count_is_everywhere_the_same(solution):
     return swap(solution, "            p.grad /= total.item()", "            p.grad /= world * num_samples")
 
 
+@mutant("ex3_naive_sync", "wrong",
+        message="each gradient weighted by this rank's samples, summed, then divided by the world size: N in "
+                "'divide by N after' is the samples of all ranks (one all-reduce of the count), not the ranks",
+        section="5. Data parallelism by hand: NaiveDDP",
+        learner="learnG, 2026-12-05, considered: attempts/lab04/ex3_naive_sync-1.py")
+def weighted_sum_divided_by_the_ranks(solution):
+    "each rank's gradient weighted by its count and summed, then divided by the world size, not by the total count"
+    return swap(solution, "            p.grad /= total.item()", "            p.grad /= world")
+
+
 @mutant("ex3_naive_sync", "copy")
 def divides_by_four_as_section_1(solution):
     "section 1's average, total / 4: the demo's rank count, not the samples"
@@ -351,6 +361,16 @@ def averages_the_buckets(solution):
     "the buckets' sums divided by the world size, each rank's gradient unweighted: a mean of means"
     solution = swap(solution, "for p in self.buckets[self.next_bucket]]) * self.num_samples",
                     "for p in self.buckets[self.next_bucket]])")
+    return swap(solution, "            flat /= total\n", "            flat /= dist.get_world_size()\n")
+
+
+@mutant("ex5_bucketed", "wrong",
+        message="the buckets weighted by each rank's samples, then divided by the world size (section 6's average): "
+                "a weighted sum is divided by N, the samples of all ranks, as in exercise 3",
+        section="6. Buckets and overlap: BucketedDDP",
+        learner="learnG, 2026-12-05, considered: attempts/lab04/ex5_bucketed-1.py")
+def weighted_buckets_divided_by_the_ranks(solution):
+    "the buckets weighted by num_samples, then divided by the world size instead of the total count"
     return swap(solution, "            flat /= total\n", "            flat /= dist.get_world_size()\n")
 
 
