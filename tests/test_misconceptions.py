@@ -79,7 +79,8 @@ def test_the_hint_is_bounded_and_names_the_section():
     cell = nbformat.v4.new_code_cell("", metadata={"mgpu_lab": {"misconceptions": [
         {"id": "m", "message": "x" * 1000, "section": "2. The ring " * 20, "fingerprint": "{}"}]}})
     said = hint(cell, "m")
-    assert said.startswith("This looks like a known misconception: xxx") and len(said) < 400
+    assert said.startswith("This looks like a known misconception: xxx") and len(said) < 420
+    assert "x\u2026 (see" in said and "Ring\u2026" not in said and said.endswith("The\u2026').")
     assert "(see '2. The ring" in said
     assert hint(cell, "other") == "" and hint(cell, None) == ""
 
