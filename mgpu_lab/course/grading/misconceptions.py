@@ -79,7 +79,7 @@ SHORT = 40                    # a string longer than this is kept as its hash
 DEPTH = 4                     # container levels whose items are cases of their own
 WIDE = 128                    # a container of more items is one case
 VALUES = 16                   # numbers of a visible case the reference keeps (element, expected)
-MESSAGE_LIMIT = 240           # characters of a misconception's message in feedback
+MESSAGE_LIMIT = 480           # characters of a misconception's message in feedback
 SECTION_LIMIT = 120
 from .cases import MISCONCEPTIONS as META    # the graded cell's metadata.mgpu_lab key
 
