@@ -298,3 +298,19 @@ def test_a_run_keeps_at_most_keep_zygotes_and_a_closed_labs_judges_go_on(tmp_pat
         assert list(pool.zygotes) == [("LAB = 3",), ("LAB = 1",)]
     finally:
         pool.close()
+
+
+def test_a_forked_judge_runs_one_thread_whatever_its_zygote_ran(tmp_path):
+    """OpenMP cannot run threads in a process forked after its threads ran (lab 01's setup in a
+    zygote forked from a kernel without OMP_NUM_THREADS: every lab 01 check hung, JudgeError).
+    A forked judge sets torch's threads from its OMP_NUM_THREADS (1) and its matmuls finish."""
+    from mgpu_lab.course.grading.judge_pool import JudgePool
+    from mgpu_lab.course.grading.session import JUDGE_TIMEOUT, judge_environment
+    pool = JudgePool(judge_environment, JUDGE_TIMEOUT, keep=1)
+    try:
+        j = pool.judge(["import torch\ntorch.set_num_threads(2)\n_ = torch.randn(256, 256) @ torch.randn(256, 256)"],
+                       str(tmp_path))
+        j.inputs("t", "x = torch.randn(512, 512)")
+        assert j.verdict("t", "assert torch.get_num_threads() == 1\nassert (x @ x).shape == (512, 512)", {}, []).ok
+    finally:
+        pool.close()

@@ -79,7 +79,8 @@ def test_the_hint_is_bounded_and_names_the_section():
     cell = nbformat.v4.new_code_cell("", metadata={"mgpu_lab": {"misconceptions": [
         {"id": "m", "message": "x" * 1000, "section": "2. The ring " * 20, "fingerprint": "{}"}]}})
     said = hint(cell, "m")
-    assert said.startswith("This looks like a known misconception: xxx") and len(said) < 400
+    assert said.startswith("This looks like a known misconception: xxx") and len(said) < 700
+    assert "x\u2026 (see" in said and "Ring\u2026" not in said and said.endswith("The\u2026').")
     assert "(see '2. The ring" in said
     assert hint(cell, "other") == "" and hint(cell, None) == ""
 
@@ -323,7 +324,7 @@ def test_a_visible_result_only_a_hidden_check_judges_is_veiled():
     nb = nbformat.read(ROOT / "solutions" / "13_capstone.ipynb", as_version=4)
     assert {"choice", "predictions"} <= set(cases_of(graded_cells(nb)["cost_model_test"])["veiled"])
     nb = nbformat.read(ROOT / "solutions" / "00_setup.ipynb", as_version=4)
-    assert cases_of(graded_cells(nb)["global_mean_test"])["veiled"] == ["means3"]
+    assert cases_of(graded_cells(nb)["global_mean_test"])["veiled"] == ["means0", "means3"]
 
 def test_every_graded_cell_with_cases_stores_its_reference_and_where_each_misconception_is_caught():
     missing = []
@@ -371,7 +372,8 @@ def _stored_by_exercise():
 def test_authoring_names_every_misconception_only_hidden_cases_catch_with_its_reason():
     """A test lists, per exercise, the misconceptions the visible check catches; the others are
     AUTHORING's table, each with the reason, and each exercise's first (most common) misconception
-    — its first `wrong` mutant in the lab's file — is caught by the visible check."""
+    — its first `wrong` mutant in the lab's file — is caught by the visible check, where the
+    visible check catches any."""
     from mutants import all_mutants
     text = (ROOT / "docs" / "AUTHORING.md").read_text()
     table = text.split("<!-- hidden-only misconceptions: begin -->")[1].split(
@@ -391,6 +393,8 @@ def test_authoring_names_every_misconception_only_hidden_cases_catch_with_its_re
     order = [m for m in all_mutants() if m.misconception and not m.generated]
     for (lab, ex), found in stored.items():
         first = next((m.name for m in order if m.lab == lab and m.exercise == ex and m.name in found), None)
+        if not any(found.values()):           # none visible: each has its row, with the reason
+            continue
         assert first is None or found[first], \
             f"{lab} {ex}: its most common misconception {first} passes the visible check: order the mutant " \
             "file so that a visible-caught one comes first, or make the visible check catch it"

@@ -2,9 +2,10 @@
 a stage twice as slow) and choose_schedule (design: replayed on small cases, computed exactly at a real
 run's size, where a search over the replay does not end in time).
 
-gpipe_window's check forbids the library's schedules (``reimplements``), a courtesy: the schedule is the
-exercise, and one called by name is refused (no reference mutant: called under another name from a thread-pool
-worker inside a rank it is not seen; INSTRUCTORS' honour-level table says so). one_f_one_b_slow's answer is orders (data): the library's order for equal stages is a ``wrong`` mutant
+gpipe_window's check forbids the library's schedules (``reimplements``), a courtesy (the guard lives in the
+learner's kernel): the schedule is the exercise. Its reference mutant, called for each batch as one step, computes
+1/m of its step and the numbers reject it; the library's schedule with the window's weight in the loss would give
+the right numbers, which only the guard refuses (INSTRUCTORS' honour-level table says so). one_f_one_b_slow's answer is orders (data): the library's order for equal stages is a ``wrong`` mutant
 there, and the numbers reject it."""
 from . import body, mutant, prepend, swap
 
@@ -29,6 +30,19 @@ def scaled_by_one_over_m(solution):
 def scaled_by_one_over_m_times_steps(solution):
     "1/m of the step x the batch's share of the window (1/(m x steps) for equal batches): wrong for 3, 3, 2, 2"
     return swap(solution, SCALE, "scaled = mb_losses[k] / (m * window_samples / len(target)) if stage.is_last else None")
+
+
+@mutant("gpipe_window", "reference")
+def library_schedule_gpipe(solution):
+    "mgpu_lab's ScheduleGPipe, called for each batch: 1/m of its own step, not of the window (refused by name too)"
+    return body(solution, """
+        schedule = ScheduleGPipe(stage, n_microbatches, loss_fn)
+        out = schedule.step(x, target=target, losses=losses) if stage.is_first else \\
+            schedule.step(target=target, losses=losses)
+        if losses:
+            losses[:] = [float(v) for v in losses]
+        return out
+    """)
 
 
 @mutant("gpipe_window", "copy")

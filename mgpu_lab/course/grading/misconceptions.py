@@ -79,8 +79,8 @@ SHORT = 40                    # a string longer than this is kept as its hash
 DEPTH = 4                     # container levels whose items are cases of their own
 WIDE = 128                    # a container of more items is one case
 VALUES = 16                   # numbers of a visible case the reference keeps (element, expected)
-MESSAGE_LIMIT = 240           # characters of a misconception's message in feedback
-SECTION_LIMIT = 80
+MESSAGE_LIMIT = 480           # characters of a misconception's message in feedback
+SECTION_LIMIT = 120
 from .cases import MISCONCEPTIONS as META    # the graded cell's metadata.mgpu_lab key
 
 
@@ -538,7 +538,9 @@ def hint(cell, misconception_id: Optional[str]) -> str:
             message = " ".join(str(m.get("message") or m["id"].replace("_", " ")).split()).rstrip(".")
             if len(message) > MESSAGE_LIMIT:      # the authors' test keeps theirs shorter: a fallback
                 message = message[:MESSAGE_LIMIT - 1] + "\u2026"
-            section = " ".join(str(m.get("section") or "").split())[:SECTION_LIMIT]
+            section = " ".join(str(m.get("section") or "").split())
+            if len(section) > SECTION_LIMIT:        # at a word, and said
+                section = section[:SECTION_LIMIT - 1].rsplit(" ", 1)[0] + "\u2026"
             return ("This looks like a known misconception: " + message
                     + (f" (see '{section}')" if section else "") + ".")
     return ""
