@@ -332,8 +332,8 @@ def test_an_exercise_with_two_graded_cells_states_their_sum():
     assert points_mismatches(notebook("(2 + 1 points)")) == []
     assert points_mismatches(notebook("(3 points)")) == []
     assert "its heading says 2 points, its exercise's graded cells 3" in points_mismatches(notebook("(2 points)"))[0]
-    assert titles(notebook("(2 + 1 points)")) == {"ex_test": "Exercise 1: a folder",
-                                                  "ex_fsync_test": "Exercise 1: a folder"}
+    assert titles(notebook("(2 + 1 points)")) == {"ex_test": "Exercise 1: a folder (check 1 of 2)",
+                                                  "ex_fsync_test": "Exercise 1: a folder (check 2 of 2)"}
 
 
 def test_a_lab_version_changes_with_its_graded_cells_only(tmp_path):
