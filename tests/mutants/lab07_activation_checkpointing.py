@@ -256,7 +256,8 @@ def reads_the_check_budgets(solution):
 
 # --- ex4_accumulate: checkpointed micro-batches -------------------------------------
 
-@mutant("ex4_accumulate", "wrong")
+@mutant("ex4_accumulate", "wrong",
+        learner="learnI, 2026-12-05, considered: attempts/lab07/ex4_accumulate-1.py")
 def divides_by_the_number_of_micro_batches(solution):
     "each micro-batch's mean loss divided by their number: wrong when the last one is smaller"
     return body(solution, """
@@ -322,6 +323,17 @@ def saves_every_product_as_in_section_5(solution):
 def keeps_the_scores_and_the_mlp(solution):
     "the products whose outputs look big kept: attention's s x s scores, and the MLP's; the bytes are in the scores"
     return body(solution, 'return [("addmm", None), ("bmm", (s, s))]')
+
+
+@mutant("ex5_budget", "wrong",
+        message="only the linear layers' outputs (addmm) kept: both attention products are recomputed, a share of "
+                "the step's FLOPs that grows with s/h (8 % at s = 64, h = 32; over 10 % for longer sequences): keep "
+                "the product that applies the attention to V, and recompute only the s x s scores",
+        learner="learnI, 2026-12-05, considered: attempts/lab07/ex5_budget-2.py")
+def keeps_only_the_linear_layers(solution):
+    "the linear layers' outputs kept, both attention products recomputed: within 10 % of the FLOPs only for short "
+    "sequences (the third rule matches nothing: the learner's attempt, padded to the solution's form)"
+    return body(solution, 'return [("addmm", None), ("mm", None), ("addmm", (2 * s, 4 * h))]')
 
 
 @mutant("ex5_budget", "tamper")

@@ -37,6 +37,19 @@ def applies_the_flag_backwards(solution):
 
 
 @mutant("sp_f_and_g", "wrong",
+        message="before a replicated consumer (tensor_parallel_output_grad=False), f-bar's backward divides this "
+                "rank's slice by N: the gradient is already complete, and rank r's positions live on rank r alone "
+                "(nothing sums the parts' gradients afterwards): the slice is their whole gradient",
+        section="2. Megatron's f and g, and their conjugates",
+        learner="learnI, 2026-12-05, considered: attempts/lab11/sp_f_and_g-2.py")
+def replicated_consumer_gradient_divided_by_n(solution):
+    "before a replicated consumer, the slice of the complete gradient divided by N (\"its loss counts once\" read as "
+    "each replica's share): nothing sums the parts' gradients afterwards, so it is N times too small"
+    return swap(solution, "            return grad[:, start:start + sizes[rank]].clone(), None, None, None",
+                "            return grad[:, start:start + sizes[rank]] / dist.get_world_size(ctx.group), None, None, None")
+
+
+@mutant("sp_f_and_g", "wrong",
         message="unequal parts all-gathered into buffers of each rank's length: an all-gather moves equal-sized "
                 "tensors (gloo refuses 4 and 3 positions); pad each part to the longest, gather, trim",
         section="2. Megatron's f and g, and their conjugates",
@@ -175,7 +188,8 @@ def shared_k_v_heads_not_summed(solution):
                 "different K/V heads (rank 0's head 0 and rank 1's head 1); only the ranks that hold copies of the "
                 "same K/V head may sum its gradient",
         section="4. Attention: split the heads",
-        learner=L + "considered: attempts/lab11/parallel_gqa-1.py")
+        learner=L + "considered: attempts/lab11/parallel_gqa-1.py; "
+                "learnI, 2026-12-05, considered: attempts/lab11/parallel_gqa-2.py")
 def k_v_gradients_summed_over_the_whole_group(solution):
     "every K/V gradient all-reduced over the whole group, as DDP sums replicas: different K/V heads added together"
     return swap(solution, "        if self.sharing is not None:\n            wk, wv = self.f(wk, self.sharing), self.f(wv, self.sharing)\n",
