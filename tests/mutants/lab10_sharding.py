@@ -288,7 +288,8 @@ def hides_saved_tensors(solution):
 
 # --- ex4_unit_backward ---------------------------------------------------------------
 
-@mutant("ex4_unit_backward", "wrong")
+@mutant("ex4_unit_backward", "wrong",
+        learner="learnL, 2026-12-05, considered: attempts/lab10/ex4_unit_backward-1.py")
 def sums_without_dividing(solution):
     "the reduce-scatter's sum kept as the gradient: N times the average"
     return swap(solution, "grad_shard = mine[:shard.numel()] / world", "grad_shard = mine[:shard.numel()].clone()")
@@ -375,11 +376,23 @@ def hides_the_all_reduce_from_the_log(solution):
 
 # --- ex5_memory_plan -----------------------------------------------------------------
 
-@mutant("ex5_memory_plan", "wrong")
+@mutant("ex5_memory_plan", "wrong",
+        learner="learnL, 2026-12-05, considered: attempts/lab10/ex5_memory_plan-1.py")
 def the_formula_without_granularity(solution):
     "the ZeRO formulas (Psi/N exactly): whole parameters and padding ignored, wrong at N = 3"
     return swap(solution, "held = [16 * psi, 8 * psi + 8 * own, 4 * psi + 12 * own, 16 * shards]",
                 "held = [int(zero_bytes_per_rank(psi, world_size, s, 4, 4, 8)) for s in range(4)]")
+
+
+@mutant("ex5_memory_plan", "wrong",
+        message="ZeRO-3 counted as 16 Psi / N: every unit's flat vector is padded to a multiple of N, so the fullest "
+                "rank holds 16 bytes for each of the ceil(numel / N) numbers of every unit's shard",
+        section="4. Bytes per rank, measured against the formulas",
+        learner="learnL, 2026-12-05, considered: attempts/lab10/ex5_memory_plan-2.py")
+def zero3_without_padding(solution):
+    "ZeRO-1 and ZeRO-2 from the real partition, but ZeRO-3 as 16 Psi / N: each unit's padding to a multiple of N ignored"
+    return swap(solution, "held = [16 * psi, 8 * psi + 8 * own, 4 * psi + 12 * own, 16 * shards]",
+                "held = [16 * psi, 8 * psi + 8 * own, 4 * psi + 12 * own, 16 * psi // world_size]")
 
 
 @mutant("ex5_memory_plan", "wrong")
