@@ -19,6 +19,7 @@ warm one's to ``/dev/null``.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -60,6 +61,9 @@ def _protect() -> None:
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
     except (OSError, AttributeError):
         pass
+
+
+REAP_ROUNDS = 10     # sweeps after a cell that left processes behind, 0.2 s apart, until one finds none
 
 
 def _reap(kernel_pid) -> int:
@@ -176,7 +180,12 @@ def main() -> int:
     async def after(client, index, cell, result):
         if header.sandboxed:
             pid = _kernel_pid(client)
-            if pid is not None and _reap(pid) and result.error != "DeadKernel":
+            killed = _reap(pid) if pid is not None else 0
+            for _ in range(REAP_ROUNDS if killed else 0):   # an interrupted fork loop may fork on a
+                await asyncio.sleep(0.2)                      # moment after the first sweep: sweep again
+                if not _reap(pid):
+                    break
+            if killed and result.error != "DeadKernel":
                 # The kernel's dead children stay zombies (and count against the
                 # process limit) until it waits for them.
                 await silent(client, WAIT_CHILDREN)
