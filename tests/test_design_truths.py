@@ -83,3 +83,20 @@ def test_lab11_tp_plans_scenarios_are_a_design_problem():
             margin = min(min(abs(m / sc["memory"] - 1), abs(s / sc["sent"] - 1)) for m, s in costs)
             assert margin >= 0.03, (sc, margin)
     assert not set.intersection(*fits), [plans[i] for i in set.intersection(*fits)]
+
+
+def test_lab13_cost_models_judge_runs_the_plan_of_the_solutions_parallelize():
+    """Lab 13's design (c) is judged by runs the hidden judge makes with its own copy of section 2's plan (the
+    judge process has no `parallelize`: it is exercise (a)'s answer). The copy's plan and saved ops must be the
+    solution's: change both together (and the stored worked example, `labs expects --misconceptions`)."""
+    import ast
+    nb = nbformat.read(ROOT / "solutions" / "13_capstone.ipynb", as_version=4)
+    cells = {nbgrader_meta(c).get("grade_id"): c.source for c in nb.cells}
+
+    def assigned(source, function):
+        fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function)
+        return {t.id: ast.dump(n.value) for n in ast.walk(fn) if isinstance(n, ast.Assign)
+                for t in n.targets if isinstance(t, ast.Name) and t.id in ("plan", "keep")}
+    solution = assigned(cells["parallelize"], "parallelize")
+    assert set(solution) == {"plan", "keep"}
+    assert assigned(cells["cost_model_test"], "_reference_parallelize") == solution

@@ -102,49 +102,103 @@ def patches_sorted(solution):
 
 
 # --- cost_model --------------------------------------------------------------------
+# The design is judged by measurement: the visible check holds predict to the text's measured worked example
+# (dp=2, tp=2, m=2, selective), the hidden one to runs of section 2's plan that the judge makes and to 7B layouts.
 
 @mutant("cost_model", "wrong",
-        message="FSDP's two all-gathers and reduce-scatter counted once per micro-batch: the cost model counts them "
-                "once per step (2N/(tp·pp) bytes each), not m times as the small run of section 5 issues them",
-        learner="learnF, 2026-12-05, considered: attempts/lab13/cost_model-1.py")
-def fsdp_collectives_per_micro_batch(solution):
-    "FSDP's all-gathers and reduce-scatter m times per step: data parallelism looks m times dearer"
-    return swap(solution, "dp_time = 3 * (dp - 1) / dp", "dp_time = m * 3 * (dp - 1) / dp")
+        message="FSDP's all-gathers and reduce-scatter counted once per step: FSDP2 issues them every micro-batch "
+                "(section 5 shows it) unless told otherwise (set_requires_gradient_sync, reshard_after_forward)")
+def fsdp_once_per_step(solution):
+    "FSDP's collectives once per step whatever m (the cost model this lab used to dictate)"
+    return swap(solution, "dp_sent = m * (dp - 1)", "dp_sent = (dp - 1)")
+
+
+@mutant("cost_model", "wrong",
+        message="four tensor-parallel all-reduces per block: section 2's plan issues six (wq, wk and wv each "
+                "all-reduce their input's gradient in backward, as w1 does; wo and w2 their outputs forward)")
+def four_tp_all_reduces_per_block(solution):
+    "4 all-reduces per block and micro-batch (6 with full recompute), the textbook's count, not the plan's 6"
+    return swap(solution, 'tp_collectives = {"none": 6, "selective": 6, "full": 7}',
+                'tp_collectives = {"none": 4, "selective": 4, "full": 6}')
+
+
+@mutant("cost_model", "wrong",
+        message="gloo's reduce-scatter counted as a ring's, (dp-1)/dp of the tensor: gloo sends what an all-reduce "
+                "sends, twice that (section 5, tests/test_wire.py)")
+def ring_reduce_scatter_on_gloo(solution):
+    "gloo's reduce-scatter as a ring's (N-1)/N"
+    return swap(solution, ' * (2 if cluster["backend"] == "gloo" else 1)', "")
+
+
+@mutant("cost_model", "wrong",
+        message="the state without the optimizer's: Adam keeps two moments per parameter, 8 bytes more in fp32")
+def state_without_the_optimizer(solution):
+    "parameters and gradients only: Adam's two moments forgotten"
+    return swap(solution, "state = 16 * (L * block + root)", "state = 8 * (L * block + root)")
+
+
+@mutant("cost_model", "wrong",
+        message="FSDP's padding forgotten: each parameter's rows are padded to a multiple of dp, and rank 0 holds "
+                "the larger piece (the 91-row embedding as 46 rows on dp = 2)")
+def fsdp_without_padding(solution):
+    "each parameter divided evenly by dp, no padding"
+    return swap(solution, "sum(-(-rows // dp) * cols", "sum(rows / dp * cols")
+
+
+@mutant("cost_model", "wrong",
+        message="a full recompute repeats both forward all-reduces: torch's checkpoint stops recomputing at the "
+                "last tensor backward needs (w2's input), so w2's all-reduce is not run again")
+def full_recompute_repeats_both_all_reduces(solution):
+    "full recompute counted as 8 TP collectives per block (both forward all-reduces again)"
+    return swap(solution, '"full": 7}', '"full": 8}')
 
 
 @mutant("cost_model", "wrong")
-def tensor_parallel_always_over_nvlink(solution):
-    "TP's all-reduces over NVLink whatever tp: a TP group of 16 spans two nodes"
-    return swap(solution, "* act / link(tp)", "* act / cluster[\"nvlink\"]")
+def choice_ignores_memory(solution):
+    "choose_layout takes the fastest layout whether or not it fits in the memory"
+    return swap(solution, 'if p["state"] + p["activations"] <= cluster["memory"] and (best is None',
+                "if (best is None")
 
 
 @mutant("cost_model", "wrong")
-def states_not_sharded_over_dp(solution):
-    "the model states divided by tp and pp only (DDP's replicas), not by FSDP's dp"
-    return swap(solution, "return seconds, 16 * N / gpus +", "return seconds, 16 * N / (tp * pp) +")
-
-
-@mutant("cost_model", "wrong")
-def no_bubble(solution):
-    "the pipeline's bubble forgotten: many stages look free"
-    return swap(solution, "compute * (1 + (pp - 1) / m)", "compute")
+def measures_instead_of_predicting(solution):
+    """attack: the evaluator in a loop: predict runs the small layouts with section 2's parallelize and reads the
+    wire meter, and falls back on the per-step, four-all-reduce model where it cannot run (the 7B layouts)"""
+    solution = swap(solution, "dp_sent = m * (dp - 1)", "dp_sent = (dp - 1)")
+    solution = swap(solution, 'tp_collectives = {"none": 6, "selective": 6, "full": 7}',
+                    'tp_collectives = {"none": 4, "selective": 4, "full": 6}')
+    return swap(solution, "    return dict(seconds=seconds, sent=dp_sent + tp_sent,", """    if cluster["backend"] == "gloo":
+        def run():
+            from mgpu_lab.measure.wire import WireMeter
+            net = parallelize(GPT(), init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")))
+            opt = torch.optim.AdamW(net.parameters(), lr=LR)
+            row = dist.get_rank() // tp * (global_batch // dp)
+            for step in range(2):
+                opt.zero_grad()
+                dist.barrier()
+                with WireMeter() as wire:
+                    for k in range(m):
+                        lo = step * global_batch + row + k * b
+                        (lm_loss(net, *sample(range(lo, lo + b))) / m).backward()
+                opt.step()
+            return wire.sent
+        sent = launch(run, nprocs=4, backend="gloo")[0]
+        return dict(seconds=seconds, sent=0.985 * sent, state=state, activations=0.0)
+    return dict(seconds=seconds, sent=dp_sent + tp_sent,""")
 
 
 @mutant("cost_model", "copy")
 def returns_the_worked_example(solution):
-    "the worked example of the text, whatever the layout"
-    solution = body(solution, """
-        return dict(dp=8, tp=4, pp=1, m=4, recompute="selective")
-    """, region=1)
+    "the text's measured worked example, whatever the layout"
     return body(solution, """
-        return 3.869, 39.9e9
+        return dict(seconds=1.0, sent=0.99 * 1764064, state=506368, activations=0.0)
     """)
 
 
 @mutant("cost_model", "tamper")
 def patches_abs(solution):
-    "builtins.abs patched to 0 (the judge's tolerance), and TP always over NVLink"
-    return prepend(swap(solution, "* act / link(tp)", "* act / cluster[\"nvlink\"]"), """
+    "builtins.abs patched to 0 (the judge's tolerance), and FSDP once per step"
+    return prepend(swap(solution, "dp_sent = m * (dp - 1)", "dp_sent = (dp - 1)"), """
         import builtins
         builtins.abs = lambda x: 0
     """)
