@@ -273,6 +273,15 @@ def drop_rate_per_group(solution):
                 "dropped = max(dropped, int((~kept).sum()) * (world_size // ep))")
 
 
+@mutant("plan_experts", "wrong",
+        message="the factor C * E / (ep * T * k) exactly, on the capacity boundary: in floats it can come back a hair "
+                "above C, and capacity's ceiling then gives C + 1 slots per expert (past the slot budget here)")
+def factor_on_the_boundary(solution):
+    "cf = C * E / (ep * T * k): the upper end of the interval, which float rounding can push to C + 1"
+    return swap(solution, "(C - 0.5) * num_experts / (ep * tokens_per_rank * top_k)",
+                "C * num_experts / (ep * tokens_per_rank * top_k)")
+
+
 # Issue 44: the evaluator in a loop. capacity and slot_positions check the three targets; the cost (slots, and the rows
 # the busiest rank sends) has no function in the lab, and the first plan that meets the targets is rarely the cheapest.
 @mutant("plan_experts", "copy")
