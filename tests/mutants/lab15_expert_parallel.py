@@ -13,27 +13,47 @@ def local_counts(solution):
 
 
 @mutant("global_balance_loss", "wrong",
-        message="P all-reduced too (with autograd) over every rank's tokens: each rank returns the whole loss, and the "
-                "all-reduce's backward adds every rank's gradient into its logits; only f is global, P is the mean "
-                "over this rank's tokens",
-        section="3. The load-balancing loss",
-        learner="learnF, 2026-12-05, considered: attempts/lab15/global_balance_loss-1.py")
-def probabilities_all_reduced_too(solution):
-    "P over every rank's tokens by a differentiable all-reduce: the loss counted N times in the logits' gradients"
-    return body(solution, """
-        # "global batch": f and P both over every rank's tokens (P's sum all-reduced with autograd)
-        import torch.distributed.nn.functional as dnn
-        E = router_logits.shape[-1]
-        probs = torch.softmax(router_logits, dim=-1)
-        chosen = router_logits.topk(top_k, dim=-1).indices
-        counts = torch.bincount(chosen.flatten(), minlength=E).float()
-        dist.all_reduce(counts)                       # every rank's assignments
-        f = counts / counts.sum()
-        tokens = torch.tensor([float(len(router_logits))])
-        dist.all_reduce(tokens)
-        P = dnn.all_reduce(probs.sum(0)) / tokens
-        return E * (f * P).sum()
-    """)
+        message="each rank's own E * sum_e f_e P_e (f global, P this rank's mean): right only when every rank holds "
+                "as many tokens; a rank's part of the global P is its probabilities' sum over all T tokens, T_r / T "
+                "of its own mean")
+def unweighted(solution):
+    "E * sum f P with P this rank's mean: the ranks' tokens weighted equally whatever T_r"
+    return swap(solution, "return n * E * (f * torch.softmax(router_logits, dim=-1).sum(0) / T).sum()",
+                "return E * (f * torch.softmax(router_logits, dim=-1).mean(0)).sum()")
+
+
+@mutant("global_balance_loss", "wrong",
+        message="weighted by T_r / T but not multiplied by N: the ranks' losses sum to the global loss, but DDP "
+                "averages the gradients over the N ranks, so the step's gradient is 1/N of the global loss's")
+def weighted_without_n(solution):
+    "this rank's share T_r / T of the global loss: it sums, DDP averages"
+    return swap(solution, "return n * E * (f", "return E * (f")
+
+
+@mutant("global_balance_loss", "wrong",
+        message="P all-reduced over the ranks with dist.all_reduce (no autograd): every rank returns the global loss, "
+                "but its gradient reaches only its own rows' part, and DDP's mean divides it by N")
+def probabilities_all_reduced_without_autograd(solution):
+    "P over every rank's tokens by dist.all_reduce: the right value, 1/N of the gradient"
+    return swap(solution, "    return n * E * (f * torch.softmax(router_logits, dim=-1).sum(0) / T).sum()", """\
+    mine = torch.softmax(router_logits, dim=-1).sum(0)
+    others = mine.detach().clone()
+    dist.all_reduce(others)
+    P = (mine + others - mine.detach()) / T                   # every rank's sum; the gradient only through its own
+    return E * (f * P).sum()""")
+
+
+@mutant("global_balance_loss", "wrong",
+        message="a gradient through f: the counts are routing decisions (top-k), they carry no gradient; only P is "
+                "differentiable")
+def gradient_through_f(solution):
+    "the counts made differentiable (straight through the chosen experts' probabilities): same value, extra gradient"
+    return swap(solution, "    f = counts / counts.sum()\n", """\
+    probs = torch.softmax(router_logits, dim=-1)
+    mask = torch.zeros_like(probs).scatter(1, chosen, 1.0)
+    counts = counts + (mask * probs / probs.detach()).sum(0) - mask.sum(0)   # the same counts, with a gradient
+    f = counts / counts.detach().sum()
+""")
 
 
 @mutant("global_balance_loss", "reference")
@@ -108,8 +128,7 @@ def patches_all_reduce(solution):
 @mutant("ep_dispatch_combine", "wrong")
 def outputs_left_grouped_by_expert(solution):
     "the experts' outputs sent back in expert order, not in the order the rows arrived"
-    return swap(solution, "for expert, part in zip(local_experts, parts)])[regroup.argsort()]",
-                "for expert, part in zip(local_experts, parts)])")
+    return swap(solution, "back = all_to_all(out[regroup.argsort()], recv, send)", "back = all_to_all(out, recv, send)")
 
 
 @mutant("ep_dispatch_combine", "wrong",
@@ -124,55 +143,65 @@ def arrived_rows_taken_as_grouped_by_expert(solution):
                 "local_id = torch.arange(per).repeat_interleave(incoming.view(n, per).sum(0))")
 
 
-# Hidden only, and no fingerprint (the probe raises): with the 2-rank visible case every rank's experts receive rows.
 @mutant("ep_dispatch_combine", "wrong",
-        message="an expert with no rows skipped: on a rank whose experts receive nothing, the rows it sends back do not "
-                "require grad, so it skips the backward all-to-all the other ranks wait in; run every expert, on zero "
-                "rows if need be",
-        section="Exercise 2 (5 points): dispatch and combine",
-        learner="learnF, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-2.py")
-def experts_without_rows_skipped(solution):
-    "experts with no rows skipped: a rank that received nothing leaves the backward all-to-all, the others hang"
-    return body(solution, """
-        T, k = experts.shape
-        per = num_experts // n
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)                  # assignments sorted by expert = by destination
-        token_of = torch.arange(T).repeat_interleave(k)[order]
-        rows = x[token_of]
-        counts = torch.bincount(flat, minlength=num_experts)       # per expert
-        # 1. counts: rank d gets my counts for its experts
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts)
-        recv = recv.view(n, per)                                  # [source, local expert]
-        send_counts = counts.view(n, per).sum(1).tolist()
-        recv_counts = recv.sum(1).tolist()
-        # 2. dispatch
-        got = all_to_all(rows, send_counts, recv_counts)
-        # 3. local experts: received rows are by source, then by expert
-        local_id = torch.arange(per).repeat(n).repeat_interleave(recv.reshape(-1))
-        out = torch.zeros_like(got)
-        for i, expert in enumerate(local_experts):
-            sel = local_id == i
-            if sel.any():                                         # an expert with no rows has nothing to do
-                out[sel] = expert(got[sel])
-        # 4. combine
-        back = all_to_all(out, recv_counts, send_counts)
-        y_flat = torch.zeros_like(back)
-        y_flat[order] = back
-        y = (y_flat.view(T, k, -1) * weights[..., None]).sum(1)
-        return y, send_counts, recv_counts
-    """)
+        message="offs given as each expert's row count: _grouped_mm takes the cumulative counts (where each group "
+                "ends), so every group after the first gets other rows")
+def offsets_not_cumulative(solution):
+    "offs = the per-expert row counts, not their cumulative sums"
+    return swap(solution, "offs = torch.bincount(local_id, minlength=per).cumsum(0).to(torch.int32)",
+                "offs = torch.bincount(local_id, minlength=per).to(torch.int32)")
+
+
+@mutant("ep_dispatch_combine", "wrong",
+        message="the local experts run one by one (a matrix product per expert): right numbers, but not the grouped "
+                "GEMM the exercise is about")
+def loop_over_experts(solution):
+    "each expert's rows through its own matmuls"
+    return swap(solution, """\
+    hidden = F.gelu(torch._grouped_mm(rows[regroup], w1, offs=offs) + b1[ids])
+    out = torch._grouped_mm(hidden, w2, offs=offs) + b2[ids]""", """\
+    parts = rows[regroup].split(torch.bincount(local_id, minlength=per).tolist())
+    out = torch.cat([F.gelu(part @ w1[i] + b1[i]) @ w2[i] + b2[i] for i, part in enumerate(parts)])""")
+
+
+# Hidden only: every visible rank holds tokens. torch cannot infer the -1 of a view of zero elements.
+@mutant("ep_dispatch_combine", "wrong",
+        message="the combined rows viewed as [T, k, -1]: on a rank with no tokens the width cannot be inferred from "
+                "zero elements; give it (x.shape[1])")
+def width_inferred_in_the_view(solution):
+    "view(T, k, -1): raises on a rank holding no tokens"
+    return swap(solution, ".view(T, k, x.shape[1])", ".view(T, k, -1)")
+
+
+# Hidden only: every visible rank receives rows.
+@mutant("ep_dispatch_combine", "wrong",
+        message="the grouped GEMMs skipped on a rank that received no rows: every rank runs them, on zero rows if need "
+                "be (and its empty output still takes part in the backward all-to-all)")
+def grouped_gemms_skipped_without_rows(solution):
+    "no grouped GEMM on a rank that received nothing"
+    return swap(solution, """\
+    hidden = F.gelu(torch._grouped_mm(rows[regroup], w1, offs=offs) + b1[ids])
+    out = torch._grouped_mm(hidden, w2, offs=offs) + b2[ids]""", """\
+    if len(rows):
+        hidden = F.gelu(torch._grouped_mm(rows[regroup], w1, offs=offs) + b1[ids])
+        out = torch._grouped_mm(hidden, w2, offs=offs) + b2[ids]
+    else:
+        out = rows                                               # nothing arrived: nothing to compute""")
 
 
 @mutant("ep_dispatch_combine", "reference")
 def calls_expert_parallel_moe(solution):
-    "mgpu_lab's ExpertParallelMoE, the layer the exercise re-implements"
+    "mgpu_lab's ExpertParallelMoE, the layer the exercise re-implements, on Experts loaded from the stacks"
     return body(solution, """
-        layer = ExpertParallelMoE(nn.Linear(x.shape[-1], num_experts, bias=False), local_experts, num_experts,
+        local = nn.ModuleList()
+        for i in range(len(w1)):
+            expert = Expert(x.shape[1], w1.shape[2])
+            expert.load_state_dict({"fc1.weight": w1[i].T, "fc1.bias": b1[i], "fc2.weight": w2[i].T, "fc2.bias": b2[i]})
+            local.append(expert)
+        layer = ExpertParallelMoE(nn.Linear(x.shape[-1], num_experts, bias=False), local, num_experts,
                                   experts.shape[1], None)
         y = layer(x)
-        return y, layer.stats["sent"], layer.stats["received"]
+        return y + 0 * (w1.sum() + b1.sum() + w2.sum() + b2.sum()), layer.stats["sent"], layer.stats["received"]
     """)
 
 
@@ -184,19 +213,20 @@ def copies_the_plain_sum(solution):
         rows = []
         for t in range(len(x)):
             mine = [j for j in range(experts.shape[1]) if int(experts[t, j]) // per == rank]
-            rows.append(sum((weights[t, j] * local_experts[int(experts[t, j]) - rank * per](x[t]) for j in mine),
-                            torch.zeros(x.shape[-1])))
+            rows.append(sum((weights[t, j] * (F.gelu(x[t] @ w1[i] + b1[i]) @ w2[i] + b2[i])
+                             for j in mine for i in [int(experts[t, j]) - rank * per]), torch.zeros(x.shape[-1])))
         return torch.stack(rows), [0] * n, [0] * n
     """)
 
 
 @mutant("ep_dispatch_combine", "tamper")
 def redefines_run_dispatch(solution):
-    "a run_dispatch of its own that reports all-to-alls, around the plain sum"
+    "a run_dispatch of its own that reports all-to-alls and grouped GEMMs, around the plain sum"
     return prepend(copies_the_plain_sum(solution), """
         _run_dispatch = run_dispatch
         def run_dispatch(*args, **kwargs):
-            return dict(_run_dispatch(*args, **kwargs), collectives=[("all-to-all", "float32")])
+            return dict(_run_dispatch(*args, **kwargs), collectives=[("all-to-all", "float32")],
+                        products={"forward": ["_grouped_mm"] * 2, "backward": []})
     """)
 
 
@@ -241,6 +271,15 @@ def drop_rate_per_group(solution):
     # the worst group's drops, scaled to the whole step: at most the rate of the whole step's assignments
     return swap(solution, "dropped += int((~kept).sum())",
                 "dropped = max(dropped, int((~kept).sum()) * (world_size // ep))")
+
+
+@mutant("plan_experts", "wrong",
+        message="the factor C * E / (ep * T * k) exactly, on the capacity boundary: in floats it can come back a hair "
+                "above C, and capacity's ceiling then gives C + 1 slots per expert (past the slot budget here)")
+def factor_on_the_boundary(solution):
+    "cf = C * E / (ep * T * k): the upper end of the interval, which float rounding can push to C + 1"
+    return swap(solution, "(C - 0.5) * num_experts / (ep * tokens_per_rank * top_k)",
+                "C * num_experts / (ep * tokens_per_rank * top_k)")
 
 
 # Issue 44: the evaluator in a loop. capacity and slot_positions check the three targets; the cost (slots, and the rows
