@@ -19,14 +19,14 @@ def sum_not_rebased(solution):
         learner="learnF, 2026-12-05, considered: attempts/lab14/online_attention-1.py")
 def running_max_of_unscaled_scores(solution):
     "m kept as the max of the raw q·k (FlashAttention-2's bookkeeping), not of the scores q kᵀ/√d: m + log l is no log-sum-exp"
+    # learnF's attempt (k and v whole, cut by block_size) on the exercise's streaming signature
     return body(solution, """
         Lq = q.shape[0]
         m = torch.full((Lq,), float("-inf"))     # running max of the raw q.k (FlashAttention-2 keeps it unscaled)
         l = torch.zeros(Lq)
-        acc = torch.zeros(Lq, v.shape[-1])
+        acc = 0
         history = []
-        for start in range(0, k.shape[0], block_size):
-            kb, vb = k[start:start + block_size], v[start:start + block_size]
+        for kb, vb in blocks:
             s = q @ kb.T
             m_new = torch.maximum(m, s.max(-1).values)
             p = torch.exp((s - m_new[:, None]) * scale)
@@ -39,37 +39,108 @@ def running_max_of_unscaled_scores(solution):
     """)
 
 
-# The history is the state the online algorithm keeps. An answer that recomputes each
-# prefix's (m, l) from its definition passes (it shows what the state is; it costs the
-# quadratic memory the algorithm avoids, which no check of values can see); the reference
-# gives the output and the final log-sum-exp, not the running max and sum.
+# The history is the state the online algorithm keeps; the reference gives the output and the final log-sum-exp,
+# not the running max and sum (and it needs the keys whole: the blocks concatenated, which the state check sees).
 @mutant("online_attention", "reference")
 def calls_sdpa(solution):
-    "F.scaled_dot_product_attention for the output; the history from the log-sum-exp of each prefix (l = 1)"
+    "F.scaled_dot_product_attention on the concatenated blocks; the history from the log-sum-exp of each prefix (l = 1)"
     return body(solution, """
+        ks, vs = zip(*blocks)
+        k, v = torch.cat(ks), torch.cat(vs)
         s = q @ k.T * scale
-        ends = list(range(block_size, k.shape[0], block_size)) + [k.shape[0]]
+        ends = torch.tensor([len(b) for b in ks]).cumsum(0).tolist()
         history = [(torch.logsumexp(s[:, :end], -1), torch.ones(q.shape[0])) for end in ends]
         return F.scaled_dot_product_attention(q[None], k[None], v[None])[0], history
     """)
 
 
+# Issue 47's shortcut: every value right, the blocks concatenated, one softmax in one piece and each prefix's
+# (m, l) from its definition. Only the state check rejects it: the blocks kept, and the scores grow with the keys.
 @mutant("online_attention", "copy")
-def copies_the_shifted_softmax(solution):
-    "section 2's softmax shifted by the max, in one piece: one history entry"
+def concatenates_and_recomputes_prefixes(solution):
+    "the blocks concatenated, section 2's softmax in one piece, each prefix's (m, l) recomputed from its definition"
     return body(solution, """
+        ks, vs = zip(*blocks)
+        k, v = torch.cat(ks), torch.cat(vs)
         s = q @ k.T * scale
-        m = s.max(-1).values
-        p = torch.exp(s - m[:, None])
-        return p @ v / p.sum(-1, keepdim=True), [(m, p.sum(-1))]
+        history, end = [], 0
+        for kb in ks:
+            end += kb.shape[0]
+            m = s[:, :end].max(-1).values
+            history.append((m, torch.exp(s[:, :end] - m[:, None]).sum(-1)))
+        return torch.softmax(s, -1) @ v, history
+    """)
+
+
+@mutant("online_attention", "copy")
+def one_piece_softmax_grown_block_by_block(solution):
+    "the keys and values grown by torch.cat as the blocks arrive (each block let go), one softmax at the end"
+    return body(solution, """
+        k = v = None
+        history = []
+        for kb, vb in blocks:
+            k = kb if k is None else torch.cat([k, kb])
+            v = vb if v is None else torch.cat([v, vb])
+            s = q @ k.T * scale
+            m = s.max(-1).values
+            history.append((m, torch.exp(s - m[:, None]).sum(-1)))
+        return torch.softmax(s, -1) @ v, history
+    """)
+
+
+@mutant("online_attention", "copy")
+def prefixes_recomputed_from_kept_blocks(solution):
+    "every block kept; each prefix's max, then its sum, recomputed block by block from the definition (no big tensor)"
+    return body(solution, """
+        kept = list(blocks)
+        history = []
+        for i in range(len(kept)):
+            m = torch.full((q.shape[0],), float("-inf"))
+            for kb, _ in kept[:i + 1]:
+                m = torch.maximum(m, (q @ kb.T * scale).max(-1).values)
+            l, acc = torch.zeros(q.shape[0]), 0
+            for kb, vb in kept[:i + 1]:
+                p = torch.exp(q @ kb.T * scale - m[:, None])
+                l, acc = l + p.sum(-1), acc + p @ vb
+            history.append((m, l))
+        return acc / l[:, None], history
+    """)
+
+
+@mutant("online_attention", "copy")
+def prefixes_recomputed_from_cloned_blocks(solution):
+    "each block cloned as it arrives (the originals let go); each prefix recomputed block by block from the clones"
+    return body(solution, """
+        kept = [(kb.clone(), vb.clone()) for kb, vb in blocks]
+        history = []
+        for i in range(len(kept)):
+            m = torch.full((q.shape[0],), float("-inf"))
+            for kb, _ in kept[:i + 1]:
+                m = torch.maximum(m, (q @ kb.T * scale).max(-1).values)
+            l, acc = torch.zeros(q.shape[0]), 0
+            for kb, vb in kept[:i + 1]:
+                p = torch.exp(q @ kb.T * scale - m[:, None])
+                l, acc = l + p.sum(-1), acc + p @ vb
+            history.append((m, l))
+        return acc / l[:, None], history
     """)
 
 
 @mutant("online_attention", "tamper")
 def patches_allclose(solution):
     "torch.allclose made to agree with anything, and the copied one-piece softmax"
-    return prepend(copies_the_shifted_softmax(solution), """
+    return prepend(concatenates_and_recomputes_prefixes(solution), """
         torch.allclose = lambda *args, **kwargs: True
+    """)
+
+
+@mutant("online_attention", "tamper")
+def redefines_stream_attention(solution):
+    "a stream_attention of its own reporting a small constant state, around the one-piece softmax"
+    return prepend(concatenates_and_recomputes_prefixes(solution), """
+        _stream_attention = stream_attention
+        def stream_attention(*args, **kwargs):
+            return dict(_stream_attention(*args, **kwargs), blocks_held=0, held_bytes=1000, history_bytes=0)
     """)
 
 
@@ -114,6 +185,38 @@ def copies_the_gathered_attention(solution):
     band = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
     scores = (q @ k_all.transpose(-2, -1) / q.shape[-1] ** 0.5).masked_fill(~band, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v_all""")
+
+
+# Issue 47: the library's private helpers solve most of the exercise. They are refused by name (reimplements: a
+# courtesy, the guard lives in the learner's kernel); what the numbers reject: _attend over a whole block with the
+# window's mask gives NaN rows where a query has no key in the block (the library selects the rows first, _block),
+# and _RingAttention knows the causal mask, not the window. With the rows selected, only the guard refuses them
+# (docs/INSTRUCTORS.md's honour-level table).
+@mutant("window_ring_attention", "reference")
+def library_helpers_with_the_windows_mask(solution):
+    "the library's _attend with the window's mask and _merge forward, _attend_backward backward, over whole blocks"
+    solution = swap(solution, """                scores = (q @ kv[0].transpose(-2, -1) * scale).masked_fill(~allowed, float("-inf"))
+                new = torch.logaddexp(lse, torch.logsumexp(scores, -1))   # step 0 (own block) sets every row
+                out = out * torch.exp(lse - new).unsqueeze(-1) + torch.exp(scores - new.unsqueeze(-1)) @ kv[1]
+                lse = new""", """                _merge(out, lse, None, *_attend(q, kv[0], kv[1], scale, allowed))""")
+    solution = swap(solution, """            scores = (q @ kv[0].transpose(-2, -1) * scale).masked_fill(~allowed, float("-inf"))
+            p = torch.exp(scores - lse.unsqueeze(-1))
+            ds = p * (dout @ kv[1].transpose(-2, -1) - D)
+            dq = dq + ds @ kv[0] * scale
+            dk, dv = ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout""", """            dqb, dk, dv = _attend_backward(dout, q, kv[0], kv[1], out, lse, scale, allowed)
+            dq = dq + dqb""")
+    return prepend(solution, """
+        from mgpu_lab.parallel.context_parallel import _attend, _attend_backward, _merge
+    """)
+
+
+@mutant("window_ring_attention", "reference")
+def library_ring_function_causal(solution):
+    "the library's _RingAttention autograd Function, causal: the window ignored"
+    return prepend(swap(solution, "return WindowRingAttention.apply(q, k, v, window)",
+                        "return _RingAttention.apply(q, k, v, True, None, 'contiguous', q.shape[-1] ** -0.5, None)"), """
+        from mgpu_lab.parallel.context_parallel import _RingAttention
+    """)
 
 
 # Issue 44's attack, the honour-level part: F.scaled_dot_product_attention kept in a list above the guard, after an
