@@ -3,10 +3,106 @@ from . import body, mutant, prepend, swap
 
 LAB = "13_capstone"
 
-RECOMPUTE = "        block = checkpoint_wrapper(block, context_fn=selective)   # 2. recompute: what FSDP's unit will hold\n"
+RECOMPUTE = ("        block = checkpoint_wrapper(block, context_fn=functools.partial(create_selective_checkpoint_contexts, "
+             "policy))\n")
+KEEP = "keep = {torch.ops.aten.mm.default, torch.ops._c10d_functional.reduce_scatter_tensor.default}"
+UNITS = ("    fully_shard([model.tok, model.pos], mesh=dp)                   # ... the embeddings (used first), ...\n"
+         "    fully_shard([model.norm, model.output], mesh=dp)               # ... the head (used last), then the root\n")
 
 
 # --- parallelize -------------------------------------------------------------------
+
+@mutant("parallelize", "wrong",
+        message="lab 11's plan in every block (wo and w2 all-reduced), no sequence or loss parallelism: the norms see "
+                "the whole sequence, the logits the whole vocabulary, and the forward all-reduces")
+def the_old_recipe_without_sequence_parallelism(solution):
+    "the plan this lab gave before: colwise/rowwise in each block, all-reduces, the root as one unit for the rest"
+    return body(solution, """
+        plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel()}
+        keep = {torch.ops.aten.mm.default, torch.ops._c10d_functional.all_reduce.default,
+                torch.ops._c10d_functional.wait_tensor.default}
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        for name, block in list(model.layers.items()):
+            parallelize_module(block, mesh["tp"], plan)
+            block = checkpoint_wrapper(block, context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+            fully_shard(block, mesh=mesh["dp"])
+            model.layers[name] = block
+        fully_shard(model, mesh=mesh["dp"])
+        return model
+    """)
+
+
+@mutant("parallelize", "wrong",
+        message="the policy saves the attention's batched products (aten.bmm): every layer keeps its [b, a, s, s] "
+                "tensors, what selective recompute exists to drop")
+def saves_the_attention_products(solution):
+    "aten.bmm.default saved with the linear products: the s x s scores kept"
+    return swap(solution, KEEP, KEEP[:-1] + ", torch.ops.aten.bmm.default}")
+
+
+@mutant("parallelize", "wrong",
+        message="the policy saves the linear products only: recomputing a block runs its reduce-scatters again, "
+                "sending their bytes a second time")
+def recomputes_the_reduce_scatters(solution):
+    "only aten.mm saved: the sub-blocks' reduce-scatters run again in backward"
+    return swap(solution, KEEP, "keep = {torch.ops.aten.mm.default}")
+
+
+@mutant("parallelize", "wrong",
+        message="nothing saved: each block recomputed whole, its reduce-scatters run again in backward (no selective "
+                "policy, or a set of operator packets, torch.ops.aten.mm, never equal to the overload the policy "
+                "gets, aten.mm.default)",
+        learner="learnF, 2026-12-05, considered: attempts/lab13/parallelize-1.py")
+def full_recompute(solution):
+    "a full recompute of each block: backward runs the reduce-scatters again"
+    return swap(solution, "context_fn=functools.partial(create_selective_checkpoint_contexts, policy)", "")
+
+
+@mutant("parallelize", "wrong",
+        message="the plan names the linear layers of this notebook's GPT: a model with another feed-forward (LLaMA's "
+                "w1, w2, w3) keeps a layer unsplit; derive the plan from the model's modules")
+def the_visible_models_names(solution):
+    "the block plan written out for GPT's six linear layers, not derived from the block"
+    return swap(solution, """        for sub in ("attention", "feed_forward"):
+            for lname, linear in getattr(block, sub).named_children():
+                if isinstance(linear, nn.Linear):                  # wo and w2 lead back to the residual stream
+                    plan[f"{sub}.{lname}"] = (RowwiseParallel(output_layouts=Shard(1)) if lname in ("wo", "w2")
+                                              else ColwiseParallel())
+""", """        plan.update({"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                     "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                     "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+""")
+
+
+@mutant("parallelize", "wrong",
+        message="the output projection gathers the logits (output_layouts=Replicate()): each rank holds the whole "
+                "vocabulary's logits, which loss parallelism exists to avoid")
+def gathers_the_logits(solution):
+    "the output projection colwise, its logits all-gathered whole before the loss"
+    return swap(solution, '"output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False)',
+                '"output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())')
+
+
+@mutant("parallelize", "wrong",
+        message="the embeddings, the final norm and the output projection left to the root's unit: gathered for the "
+                "whole step, where torchtitan gives the embeddings and the head units of their own")
+def the_root_holds_embeddings_and_head(solution):
+    "fully_shard of each block and of the root only"
+    return swap(solution, UNITS, "")
+
+
+@mutant("parallelize", "wrong")
+def the_root_sharded_first(solution):
+    "fully_shard(model) before the blocks: FSDP's units must be made bottom-up"
+    return swap(swap(solution, "    fully_shard(model, mesh=dp)\n", ""),
+                "    for name, block in list(model.layers.items()):\n",
+                "    fully_shard(model, mesh=dp)\n    for name, block in list(model.layers.items()):\n")
+
 
 @mutant("parallelize", "wrong")
 def no_recompute(solution):
@@ -15,38 +111,10 @@ def no_recompute(solution):
 
 
 @mutant("parallelize", "wrong")
-def fsdp_at_the_root_only(solution):
-    "one fully_shard at the root: the whole model is one unit, gathered once and kept through backward"
-    return swap(solution, "        fully_shard(block, mesh=mesh[\"dp\"])                       # 3. FSDP: each TP shard "
-                          "sharded over dp\n", "")
-
-
-@mutant("parallelize", "wrong",
-        message="nothing saved: each block recomputed whole, backward runs the tensor-parallel all-reduces again (no "
-                "selective policy, or a set of operator packets, torch.ops.aten.mm, never equal to the overload the "
-                "policy gets, aten.mm.default)",
-        learner="learnF, 2026-12-05, considered: attempts/lab13/parallelize-1.py")
-def full_recompute(solution):
-    "a full recompute of each block: backward runs the tensor-parallel all-reduces again"
-    return swap(solution, "checkpoint_wrapper(block, context_fn=selective)", "checkpoint_wrapper(block)")
-
-
-@mutant("parallelize", "wrong")
 def fsdp_before_tp(solution):
     "fully_shard first, then the TP plan: parallelize_module meets weights already sharded over dp"
-    return swap(solution, "        parallelize_module(block, mesh[\"tp\"], plan)               # 1. TP",
-                "        fully_shard(block, mesh=mesh[\"dp\"])\n        parallelize_module(block, mesh[\"tp\"], plan)  # 1. TP")
-
-
-@mutant("parallelize", "wrong")
-def hsdp_on_each_linear_instead_of_tensor_parallel(solution):
-    "no tensor parallelism: each linear layer fully_shard-ed on the whole 2-D mesh (HSDP: replicated over dp, "
-    "sharded over tp), so its weight lies on both mesh dimensions, but each rank holds half of it, not a quarter"
-    return swap(solution, "        parallelize_module(block, mesh[\"tp\"], plan)               # 1. TP: plain Linear weights "
-                          "become DTensors\n",
-                "        for linear in (block.attention.wq, block.attention.wk, block.attention.wv, block.attention.wo,\n"
-                "                       block.feed_forward.w1, block.feed_forward.w2):\n"
-                "            fully_shard(linear, mesh=mesh)\n")
+    return swap(solution, "        parallelize_module(block, tp, plan)\n",
+                "        fully_shard(block, mesh=dp)\n        parallelize_module(block, tp, plan)\n")
 
 
 @mutant("parallelize", "copy")
