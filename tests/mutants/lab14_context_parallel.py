@@ -39,6 +39,37 @@ def running_max_of_unscaled_scores(solution):
     """)
 
 
+@mutant("online_attention", "wrong",
+        message="the running m and l updated in place (mul_, add_, copy_) and appended to the history: every entry "
+                "is then the same tensor, the state after the last block; the state stays bounded with a new (m, l) "
+                "per block, and the history keeps each block's",
+        section="Exercise 1 (3 points): attention over keys that arrive in blocks",
+        learner="learn14, 2026-12-05, considered: attempts/lab14/online_attention-2.py")
+def state_updated_in_place(solution):
+    "m, l and the weighted sum updated in place: every history entry aliases the final state"
+    # learn14's attempt, verbatim
+    return body(solution, """
+        m = torch.full((q.shape[0],), float("-inf"))
+        l = torch.zeros(q.shape[0])
+        acc = None
+        history = []
+        for kb, vb in blocks:
+            s = q @ kb.T * scale
+            m_new = torch.maximum(m, s.max(-1).values)
+            p = torch.exp(s - m_new[:, None])
+            corr = torch.exp(m - m_new)
+            # in place, so that the state never reallocates while the keys stream by
+            l.mul_(corr).add_(p.sum(-1))
+            if acc is None:
+                acc = p @ vb
+            else:
+                acc.mul_(corr[:, None]).add_(p @ vb)
+            m.copy_(m_new)
+            history.append((m, l))
+        return acc / l[:, None], history
+    """)
+
+
 # The history is the state the online algorithm keeps; the reference gives the output and the final log-sum-exp,
 # not the running max and sum (and it needs the keys whole: the blocks concatenated, which the state check sees).
 @mutant("online_attention", "reference")
@@ -164,6 +195,81 @@ def window_of_w_plus_one_keys(solution):
     solution = swap(solution, "(k_pos[None, :] > q_pos[:, None] - window)", "(k_pos[None, :] >= q_pos[:, None] - window)")
     return swap(solution, "(k_pos[None, :] > q_pos[:, None] - ctx.window)",
                 "(k_pos[None, :] >= q_pos[:, None] - ctx.window)")
+
+
+@mutant("window_ring_attention", "wrong",
+        message="the ring stopped after the steps that have work, the complete key/value gradients then sent straight "
+                "back to their owner, steps - 1 ranks behind: when the window fits in a rank's own block (one step) "
+                "nothing travelled, the gradients are already home, and a rank cannot send to itself",
+        section="Exercise 2 (5 points): ring attention with a sliding window",
+        learner="learn14, 2026-12-05, later attempt: attempts/lab14/window_ring_attention-2.py")
+def stops_early_and_sends_home_to_itself(solution):
+    "the ring stopped early; the gradients' trip home sent to rank - (steps - 1), the rank itself when one step has work"
+    # learn14's attempt, verbatim (forward, then backward)
+    solution = body(solution, """
+        steps = min(n, 1 + (window - 1 + s - 1) // s)
+        qpos = torch.arange(rank * s, (rank + 1) * s)
+        m = torch.full(q.shape[:-1], float("-inf"))
+        l = torch.zeros(q.shape[:-1])
+        acc = torch.zeros(*q.shape[:-1], v.shape[-1])
+        kb, vb = k, v
+        for step in range(steps):
+            wait = ring_pass([kb, vb]) if step < steps - 1 else None
+            src = (rank - step) % n
+            kpos = torch.arange(src * s, (src + 1) * s)
+            mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
+            if mask.any():
+                scores = (q @ kb.transpose(-2, -1) * scale).masked_fill(~mask, float("-inf"))
+                m_new = torch.maximum(m, scores.amax(-1))
+                p = torch.exp(scores - m_new[..., None])
+                corr = torch.exp(m - m_new)
+                l = l * corr + p.sum(-1)
+                acc = acc * corr[..., None] + p @ vb
+                m = m_new
+            if wait is not None:
+                kb, vb = wait()
+        out = acc / l[..., None]
+        lse = m + torch.log(l)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.window, ctx.steps = window, steps
+        return out
+    """)
+    return body(solution, """
+        q, k, v, out, lse = ctx.saved_tensors
+        window, steps = ctx.window, ctx.steps
+        rank, n, s = dist.get_rank(), dist.get_world_size(), q.shape[-2]
+        scale = q.shape[-1] ** -0.5
+        qpos = torch.arange(rank * s, (rank + 1) * s)
+        D = (dout * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        kb, vb = k, v
+        dkb, dvb = torch.zeros_like(k), torch.zeros_like(v)
+        for step in range(steps):
+            src = (rank - step) % n
+            kpos = torch.arange(src * s, (src + 1) * s)
+            mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
+            if mask.any():
+                scores = (q @ kb.transpose(-2, -1) * scale).masked_fill(~mask, float("-inf"))
+                p = torch.exp(scores - lse[..., None])
+                dvb = dvb + p.transpose(-2, -1) @ dout
+                ds = p * (dout @ vb.transpose(-2, -1) - D)
+                dq = dq + ds @ kb * scale
+                dkb = dkb + ds.transpose(-2, -1) @ q * scale
+            if step < steps - 1:
+                kb, vb, dkb, dvb = ring_pass([kb, vb, dkb, dvb])()
+        # I hold block rank-(steps-1) with every contribution: send it straight back to its owner,
+        # and receive mine from rank+(steps-1)
+        if steps == n:
+            dk, dv = ring_pass([dkb, dvb])()
+        else:
+            back, fwd = (rank - (steps - 1)) % n, (rank + (steps - 1)) % n
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+            works = [dist.isend(dkb.contiguous(), back), dist.isend(dvb.contiguous(), back),
+                     dist.irecv(dk, fwd), dist.irecv(dv, fwd)]
+            for w in works:
+                w.wait()
+        return dq, dk, dv, None
+    """)
 
 
 @mutant("window_ring_attention", "reference")
@@ -325,7 +431,8 @@ def striped_chunks(solution):
                 "rank whose keys come from a lower rank computes c more chunk pairs than one whose keys come from a "
                 "higher one; mirror pairs cost the same",
         section="4. The causal imbalance, and the zig-zag",
-        learner="learnF, 2026-12-05, considered: attempts/lab14/choose_layout-1.py")
+        learner="learnF, 2026-12-05, considered: attempts/lab14/choose_layout-1.py; "
+                "learn14, 2026-12-05, considered: attempts/lab14/choose_layout-2.py")
 def striped_chunks_none_for_one_chunk(solution):
     "chunks dealt round-robin, None for one chunk per rank: striping balances only with many chunks per rank"
     return body(solution, """
