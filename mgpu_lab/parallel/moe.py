@@ -27,6 +27,16 @@ to one expert (k = 1); f over all T*k assignments for k > 1 is Megatron-LM's
 ``switch_load_balancing_loss_func``. GShard's top-2 loss counts each token's first choice
 only (DeepSpeed's ``top2gating``: ``ce = mean(mask1)``, before capacity).
 (Hugging Face's Mixtral loss is k times this: it normalises f by T instead of T*k.)
+
+**Balancing without a loss** (DeepSeek-V3, arXiv 2412.19437, section 2.1.2, "Auxiliary-Loss-Free
+Load Balancing"). Each expert e has a bias b_e, added to the routing scores for the top-k
+*selection* only (``biased_top_k``); the gating weights still come from the scores alone, so no
+gradient ever sees b. At the end of each training step, over the whole batch's load, b_e falls by
+gamma if e was overloaded and rises by gamma if it was underloaded (``update_bias``; the paper
+calls gamma the bias update speed and sets it to 0.001 for the first 14.3T tokens, 0 for the last
+500B, section 4.2). "Overloaded" is not defined further in the paper; here, as in Wang et al.
+2024 (arXiv 2408.15664, Algorithm 1: b_e += u * sign(mean load - load_e)), it means above the
+mean load over the experts, and an expert exactly at the mean keeps its bias.
 """
 from __future__ import annotations
 
@@ -132,3 +142,19 @@ class MoE(nn.Module):
                 y = expert(tokens[token]) * weights[token, slot].unsqueeze(-1).to(tokens.dtype)
                 out = out.index_add(0, token, y)
         return out.reshape(x.shape)
+
+
+def biased_top_k(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T, k]``: each token's experts chosen on ``scores + bias`` (DeepSeek-V3's selection).
+
+    The bias only chooses: the caller takes the gating weights from ``scores`` at these experts
+    (``scores.gather(-1, experts)``), and no gradient flows through the choice or the bias."""
+    return (scores.detach() + bias).topk(top_k, dim=-1).indices
+
+
+def update_bias(bias: torch.Tensor, load: torch.Tensor, speed: float) -> torch.Tensor:
+    """The bias after one step: ``bias - speed`` where ``load`` (assignments per expert over the
+    step's whole batch) is above its mean over the experts, ``bias + speed`` where below,
+    unchanged where equal (DeepSeek-V3's rule, ``speed`` = its gamma)."""
+    load = load.to(bias.dtype)
+    return bias + speed * torch.sign(load.mean() - load)

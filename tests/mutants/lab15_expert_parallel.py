@@ -259,7 +259,7 @@ def rows_for_its_own_experts_counted(solution):
 @mutant("plan_experts", "wrong",
         message="the dropped assignments counted among the rows a rank sends: a dropped assignment is not sent "
                 "(section 4's ExpertParallelMoE drops before the all-to-all), so this overprices the plans that drop",
-        section="6. Design exercise (3 points): experts per rank and a capacity factor",
+        section="8. Design exercise (3 points): experts per rank and a capacity factor",
         learner="learnL, 2026-12-05, considered: attempts/lab15/plan_experts-1.py")
 def dropped_rows_counted_as_sent(solution):
     "every assignment for another rank's experts counted as a sent row, the dropped ones included"
@@ -269,7 +269,7 @@ def dropped_rows_counted_as_sent(solution):
 @mutant("plan_experts", "wrong",
         message="the drop-rate target required of every EP group separately: it bounds the fraction of all the step's "
                 "assignments dropped (summed over the groups), so this buys more slots than needed",
-        section="6. Design exercise (3 points): experts per rank and a capacity factor",
+        section="8. Design exercise (3 points): experts per rank and a capacity factor",
         learner="learnL, 2026-12-05, considered: attempts/lab15/plan_experts-2.py; "
                 "learn15, 2026-12-05, considered: attempts/lab15/plan_experts-4.py")
 def drop_rate_per_group(solution):
@@ -282,7 +282,7 @@ def drop_rate_per_group(solution):
 @mutant("plan_experts", "wrong",
         message="the factor C * E / (ep * T * k) exactly, on the capacity boundary: in floats it can come back a hair "
                 "above C, and capacity's ceiling then gives C + 1 slots per expert (past the slot budget here)",
-        section="6. Design exercise (3 points): experts per rank and a capacity factor",
+        section="8. Design exercise (3 points): experts per rank and a capacity factor",
         learner="learn15, 2026-12-05, first attempt: attempts/lab15/plan_experts-3.py")
 def factor_on_the_boundary(solution):
     "cf = C * E / (ep * T * k): the upper end of the interval, which float rounding can push to C + 1"
