@@ -147,9 +147,38 @@ def global_rank_as_the_row(solution):
 
 
 @mutant("rank_batches", "wrong")
-def the_same_accumulation_on_every_layout(solution):
-    "K micro-batches of the 2 x 2 run on every layout: the global batch changes with dp"
-    return swap(solution, "per_row = global_batch // dp", "per_row = global_batch // 2")
+def equal_parts_only(solution):
+    "only batches that split into equal micro-batches: a ValueError for 16 samples over 3 rows, which a plan can split"
+    return body(solution, """
+        if global_batch % (dp * micro_batch):
+            raise ValueError("the rows' micro-batches do not split the batch evenly")
+        per_row = global_batch // dp
+        first = step * global_batch + rank // tp * per_row
+        return [list(range(first + k, first + k + micro_batch)) for k in range(0, per_row, micro_batch)]
+    """)
+
+
+@mutant("rank_batches", "wrong")
+def micro_batches_counted_per_row(solution):
+    "each row its own fewest micro-batches: a smaller row runs fewer, and the others wait in its missing collective"
+    return swap(solution, "K = -(-(base + (extra > 0)) // micro_batch)", "K = -(-(base + (row < extra)) // micro_batch)")
+
+
+@mutant("rank_batches", "wrong")
+def rows_filled_in_order(solution):
+    "rows filled in order, ceil(G / dp) samples each, the last taking what is left: unbalanced, and its K differs"
+    return body(solution, """
+        per = -(-global_batch // dp)
+        first = step * global_batch + rank // tp * per
+        last = min(first + per, (step + 1) * global_batch)
+        return [list(range(a, min(a + micro_batch, last))) for a in range(first, last, micro_batch)]
+    """)
+
+
+@mutant("rank_batches", "wrong")
+def no_error_when_a_row_is_too_small(solution):
+    "no ValueError where the smallest row has fewer samples than K: it gets an empty micro-batch"
+    return swap(solution, "if base < K:", "if False:")
 
 
 @mutant("rank_batches", "copy")
