@@ -157,6 +157,12 @@ TAMPERING = [
     ("with torch._C._DisableTorchDispatch(): pass", "sets aside the dispatch modes"),
     ("torch._C._unset_dispatch_mode(k)", "sets aside the dispatch modes"),
     ("m = torch._C._pop_torch_dispatch_stack()", "sets aside the dispatch modes"),
+    # attack47: the guard's view of the cells, a second copy of a module, the instruments' state
+    ("import linecache; linecache.cache['cell'] = (0, None, ['x'], 'cell')", "touches linecache"),
+    ("s = importlib.util.spec_from_file_location('cp', mgpu_lab.__file__)", "second copy of a module"),
+    ("torch.utils._python_dispatch._get_current_dispatch_mode_stack()[0].seen['bmm'] += 2",
+     "reaches the dispatch modes"),
+    ("mgpu_lab.measure.timeline._active[0].spans.append(('R layers.0.attention',))", "private state"),
 ]
 HEADER = "import torch, sys, builtins, importlib, mgpu_lab\nfrom torch import Tensor\n"
 

@@ -17,6 +17,9 @@ this pass flags, in every code cell the learner wrote or edited:
 - setting aside the dispatch modes the checks observe through (``_disable_current_modes``,
   ``_pop_mode``, ``_pop_mode_temporarily``, ``torch._C._DisableTorchDispatch``,
   ``torch._C._unset_dispatch_mode``, ``torch._C._pop_torch_dispatch_stack``);
+- what the guard and the instruments rest on: ``linecache``, a module loaded again from its file
+  (``importlib.util.spec_from_file_location``, ``module_from_spec``, ``SourceFileLoader``), the
+  dispatch mode stack (``_get_current_dispatch_mode_stack``), private names of ``mgpu_lab.measure``;
 - frames, code objects and raw memory: ``sys._getframe``, ``inspect.currentframe``,
   ``f_back``/``f_globals``/``__code__``/``__globals__``, ``globals()``, ``vars()``, ``ctypes``,
   ``gc.get_objects``;
@@ -55,6 +58,18 @@ FORBIDDEN_NAMES.update({name: "sets aside the dispatch modes the checks observe 
     "torch.utils._python_dispatch._disable_current_modes", "torch.utils._python_dispatch._pop_mode",
     "torch.utils._python_dispatch._pop_mode_temporarily", "torch._C._DisableTorchDispatch",
     "torch._C._unset_dispatch_mode", "torch._C._pop_torch_dispatch_stack")})
+# What the "must not call" guard and the measuring instruments rest on: the cells' source as linecache
+# holds it (the guard reads it to tell the instructor's frames from the learner's), a second copy of a
+# module loaded from its file (functions the guard never wrapped), and the instruments' private state.
+FORBIDDEN_NAMES.update({"linecache": "touches linecache (the cells' source the guard reads)",
+                        "importlib.util.spec_from_file_location": "loads a second copy of a module from its file",
+                        "importlib.util.module_from_spec": "loads a second copy of a module from its file",
+                        "importlib.machinery.SourceFileLoader": "loads a second copy of a module from its file",
+                        "torch.utils._python_dispatch._get_current_dispatch_mode_stack":
+                            "reaches the dispatch modes the checks observe through",
+                        "torch.utils._python_dispatch._get_current_dispatch_mode":
+                            "reaches the dispatch modes the checks observe through"})
+INSTRUMENTS = "mgpu_lab.measure."
 # Reading one entry of a module's namespace (``vars(m)[k]``, ``.get``, the views) is
 # ``getattr`` by another name; anything else (a store, ``update``, a name holding it) can patch it.
 NAMESPACE_READS = {"get", "items", "keys", "values"}
@@ -146,6 +161,9 @@ def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
             for bad, what in FORBIDDEN_NAMES.items():
                 if name == bad or name.startswith(bad + "."):
                     flag(node, what)
+            if name.startswith(INSTRUMENTS) and any(part.startswith("_") and not part.startswith("__")
+                                                    for part in name[len(INSTRUMENTS):].split(".")):
+                flag(node, f"reaches into a measuring instrument's private state ({name})")
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             if any(m.split(".")[0] == "ctypes" for m in mods):
