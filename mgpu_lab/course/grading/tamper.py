@@ -27,7 +27,8 @@ this pass flags, in every code cell the learner wrote or edited:
   reading an entry named in the code (``vars(torch)["equal"] = ...``, ``.update(...)``, kept
   in a name, ``vars(torch)["ten" + "sor_split"]``);
 - rebinding a name a check's probe uses (``launch``, ``torch``, a helper the lab
-  gives): the probe would call the learner's stand-in instead of the real thing;
+  gives), or one that a helper the probe calls uses in turn: the probe would call the
+  learner's stand-in instead of the real thing;
 - a solution that reads a check's inputs (``batch``) as a global instead of
   taking them as arguments.
 
@@ -205,6 +206,28 @@ def _global_reads(tree) -> set:
     return out
 
 
+def _given_reads(instructor) -> Dict[str, set]:
+    """For each function and class the lab's given cells define, the global names its code reads."""
+    out: Dict[str, set] = {}
+    for source in given_sources(instructor):
+        tree = parse(source)
+        for node in (tree.body if tree is not None else []):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out[node.name] = _global_reads(ast.Module(body=[node], type_ignores=[]))
+    return out
+
+
+def _with_what_they_call(names: set, reads: Mapping[str, set]) -> set:
+    """``names`` and, through the lab's given functions among them, every global those read."""
+    seen, todo = set(names), list(names)
+    while todo:
+        for name in reads.get(todo.pop(), ()):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
 def tampering(submission, instructor, given=None, check=lambda: None):
     """``[(where, what, grade_ids)]``: each finding in what the learner wrote (solution
     cells, and statements the lab did not give) with the graded cells it costs.
@@ -220,7 +243,9 @@ def tampering(submission, instructor, given=None, check=lambda: None):
     for gid, ex in exercise.items():
         gids_of.setdefault(ex, []).append(gid)
     parts = {gid: graded_cell.split(c.source) for gid, c in tests.items()}
-    uses = {gid: _probe_uses(p.probe) for gid, p in parts.items()}
+    # a name the probe reads, or one a given helper it calls reads (run_dispatch's MatrixProducts)
+    reads = _given_reads(instructor)
+    uses = {gid: _with_what_they_call(_probe_uses(p.probe), reads) for gid, p in parts.items()}
     given_aliases = import_aliases(parse(s) for s in given_sources(instructor))
     answers = {n for c in instructor.cells if nbgrader_meta(c).get("solution")
                and c.cell_type == "code" for n in graded_cell.bound_names(c.source)}
