@@ -178,7 +178,9 @@ class OpNames(MeasuringMode):
 
 class HeldAtOnce(MeasuringMode):
     """The bytes held at once by the storages made while active: ``peak`` the most at any
-    time, ``held`` now.
+    time, ``held`` now; also ``largest``, the bytes of the largest tensor an operator returned
+    (made, viewed or written), and ``written_before``, the bytes operators wrote in place (or
+    through ``out=``) into storages that existed before.
 
     A storage counts from the operator that makes it until it is freed (a weak reference's
     finalizer: no reference left, in Python or in C++), at its size when made. Not counted:
@@ -191,6 +193,8 @@ class HeldAtOnce(MeasuringMode):
         super().__init__()
         self.held = 0
         self.peak = 0
+        self.largest = 0          # the bytes of the largest tensor an operator returned (a view: its own size)
+        self.written_before = 0   # bytes operators wrote into storages that existed before (in place, out=)
         self._lock = threading.RLock()   # a finalizer may run inside the block that holds it
         self._made: Dict[tuple, Tuple[weakref.ref, int]] = {}   # key -> (storage, bytes) of the live ones
         self._before: Dict[tuple, weakref.ref] = {}
@@ -214,15 +218,21 @@ class HeldAtOnce(MeasuringMode):
                 if found and not self._alive(self._made.get(found[0])):
                     self._before[found[0]] = weakref.ref(found[1])
         out = func(*args, **kwargs)
+        mutates = func._schema.is_mutable
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 found = _storage(t)
                 if found is None:
                     continue
                 key, s = found
+                self.largest = max(self.largest, t.numel() * t.element_size())
                 with self._lock:
-                    if self._alive(self._before.get(key)) or self._alive(self._made.get(key)):
-                        continue   # a view or an in-place result of memory already known
+                    if self._alive(self._before.get(key)):
+                        if mutates:
+                            self.written_before += t.numel() * t.element_size()
+                        continue   # a view or an in-place result of memory that existed before
+                    if self._alive(self._made.get(key)):
+                        continue   # a view or an in-place result of memory made here
                     token, n = weakref.ref(s), s.nbytes()
                     self._made[key] = (token, n)
                     self.held += n

@@ -227,6 +227,55 @@ def blocks_kept_inside_the_history(solution):
     """)
 
 
+@mutant("online_attention", "copy")
+def one_piece_in_a_buffer_made_before(solution):
+    "attack47: the blocks copied into a buffer made before any check runs (not counted by HeldAtOnce), one softmax"
+    return prepend(body(solution, """
+        L, n, rows = q.shape[0], 0, []
+        for kb, vb in blocks:
+            b = kb.shape[0]
+            _BUF[n:n + b, :kb.shape[1]].copy_(kb)
+            _BUF[n:n + b, 64:64 + vb.shape[1]].copy_(vb)
+            rows.append(b)
+            n += b
+        d, dv = q.shape[1], vb.shape[1]
+        s = q @ _BUF[:n, :d].T * scale
+        out = torch.softmax(s, -1) @ _BUF[:n, 64:64 + dv]
+        history, e = [], 0
+        for b in rows:
+            e += b
+            m = s[:, :e].max(-1).values
+            history.append((m, torch.exp(s[:, :e] - m[:, None]).sum(-1)))
+        return out, history
+    """), """
+        _BUF = torch.empty(4096, 128)
+    """)
+
+
+@mutant("online_attention", "copy")
+def one_piece_in_a_fixed_workspace(solution):
+    "attack47: one fixed workspace made in the function holds every block: the bytes held do not grow with the keys"
+    return body(solution, """
+        work = torch.empty(4096, 128)
+        L, n, rows = q.shape[0], 0, []
+        for kb, vb in blocks:
+            b = kb.shape[0]
+            work[n:n + b, :kb.shape[1]].copy_(kb)
+            work[n:n + b, 64:64 + vb.shape[1]].copy_(vb)
+            rows.append(b)
+            n += b
+        d, dv = q.shape[1], vb.shape[1]
+        s = q @ work[:n, :d].T * scale
+        out = torch.softmax(s, -1) @ work[:n, 64:64 + dv]
+        history, e = [], 0
+        for b in rows:
+            e += b
+            m = s[:, :e].max(-1).values
+            history.append((m, torch.exp(s[:, :e] - m[:, None]).sum(-1)))
+        return out, history
+    """)
+
+
 @mutant("online_attention", "tamper")
 def one_piece_with_the_modes_set_aside(solution):
     "the blocks concatenated and one softmax in one piece, inside _disable_current_modes(): HeldAtOnce sees nothing"
