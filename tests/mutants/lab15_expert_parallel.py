@@ -15,7 +15,9 @@ def local_counts(solution):
 @mutant("global_balance_loss", "wrong",
         message="each rank's own E * sum_e f_e P_e (f global, P this rank's mean): right only when every rank holds "
                 "as many tokens; a rank's part of the global P is its probabilities' sum over all T tokens, T_r / T "
-                "of its own mean")
+                "of its own mean",
+        section="3. The load-balancing loss",
+        learner="learn15, 2026-12-05, considered: attempts/lab15/global_balance_loss-1.py")
 def unweighted(solution):
     "E * sum f P with P this rank's mean: the ranks' tokens weighted equally whatever T_r"
     return swap(solution, "return n * E * (f * torch.softmax(router_logits, dim=-1).sum(0) / T).sum()",
@@ -32,7 +34,9 @@ def weighted_without_n(solution):
 
 @mutant("global_balance_loss", "wrong",
         message="P all-reduced over the ranks with dist.all_reduce (no autograd): every rank returns the global loss, "
-                "but its gradient reaches only its own rows' part, and DDP's mean divides it by N")
+                "but its gradient reaches only its own rows' part, and DDP's mean divides it by N",
+        section="3. The load-balancing loss",
+        learner="learn15, 2026-12-05, considered: attempts/lab15/global_balance_loss-2.py")
 def probabilities_all_reduced_without_autograd(solution):
     "P over every rank's tokens by dist.all_reduce: the right value, 1/N of the gradient"
     return swap(solution, "    return n * E * (f * torch.softmax(router_logits, dim=-1).sum(0) / T).sum()", """\
@@ -136,7 +140,8 @@ def outputs_left_grouped_by_expert(solution):
                 "each source's piece grouped by expert, so rows go through the wrong experts; the [source, local "
                 "expert] count table says which",
         section="4. Expert parallelism: dispatch and combine",
-        learner="learnF, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-1.py")
+        learner="learnF, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-1.py; "
+                "learn15, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-2.py")
 def arrived_rows_taken_as_grouped_by_expert(solution):
     "the arrived rows' experts from the counts summed over the sources: rows grouped by expert, not by source rank"
     return swap(solution, "local_id = torch.arange(per).repeat(n).repeat_interleave(incoming)",
@@ -265,7 +270,8 @@ def dropped_rows_counted_as_sent(solution):
         message="the drop-rate target required of every EP group separately: it bounds the fraction of all the step's "
                 "assignments dropped (summed over the groups), so this buys more slots than needed",
         section="8. Design exercise (3 points): experts per rank and a capacity factor",
-        learner="learnL, 2026-12-05, considered: attempts/lab15/plan_experts-2.py")
+        learner="learnL, 2026-12-05, considered: attempts/lab15/plan_experts-2.py; "
+                "learn15, 2026-12-05, considered: attempts/lab15/plan_experts-4.py")
 def drop_rate_per_group(solution):
     "the drop-rate target applied to each EP group's own assignments instead of the whole step's"
     # the worst group's drops, scaled to the whole step: at most the rate of the whole step's assignments
@@ -275,7 +281,9 @@ def drop_rate_per_group(solution):
 
 @mutant("plan_experts", "wrong",
         message="the factor C * E / (ep * T * k) exactly, on the capacity boundary: in floats it can come back a hair "
-                "above C, and capacity's ceiling then gives C + 1 slots per expert (past the slot budget here)")
+                "above C, and capacity's ceiling then gives C + 1 slots per expert (past the slot budget here)",
+        section="8. Design exercise (3 points): experts per rank and a capacity factor",
+        learner="learn15, 2026-12-05, first attempt: attempts/lab15/plan_experts-3.py")
 def factor_on_the_boundary(solution):
     "cf = C * E / (ep * T * k): the upper end of the interval, which float rounding can push to C + 1"
     return swap(solution, "(C - 0.5) * num_experts / (ep * tokens_per_rank * top_k)",
