@@ -215,6 +215,14 @@ def loop_over_experts(solution):
     out = torch.cat([F.gelu(part @ w1[i] + b1[i]) @ w2[i] + b2[i] for i, part in enumerate(parts)])""")
 
 
+@mutant("ep_dispatch_combine", "wrong",
+        message="every arrived row through every local expert, with weight 0 where it was not chosen: the numbers are "
+                "right, but the experts compute E_local / k times the rows; fan each row out to the experts it chose")
+def every_local_expert_on_every_row(solution):
+    "each arrived row multiplied by all the rank's experts, the unchosen ones weighted 0"
+    return swap(solution, "(c_in > 0.5).nonzero(as_tuple=True)", "(c_in > -1).nonzero(as_tuple=True)")
+
+
 # Hidden only: every visible rank receives rows.
 @mutant("ep_dispatch_combine", "wrong",
         message="the grouped GEMMs skipped on a rank that received no rows: every rank runs them, on zero rows if need "
