@@ -129,23 +129,69 @@ def patches_all_reduce(solution):
 # --- ep_dispatch_combine ------------------------------------------------------------
 
 
-@mutant("ep_dispatch_combine", "wrong")
-def outputs_left_grouped_by_expert(solution):
-    "the experts' outputs sent back in expert order, not in the order the rows arrived"
-    return swap(solution, "back = all_to_all(out[regroup.argsort()], recv, send)", "back = all_to_all(out, recv, send)")
+@mutant("ep_dispatch_combine", "wrong",
+        message="one row per assignment, as ExpertParallelMoE sends them: a token whose chosen experts share a rank "
+                "crosses to it once per expert, and its outputs come back as many times; send it once per destination "
+                "rank, with its weights and choices there, and combine its outputs on that rank",
+        section="4. Expert parallelism: dispatch and combine")
+def not_deduplicated(solution):
+    "the exercise's earlier answer: every (token, expert) assignment dispatched and combined on its own"
+    return body(solution, """
+        per = num_experts // n
+        T, k = experts.shape
+        token = torch.arange(T).repeat_interleave(k)
+        expert = experts.reshape(-1)
+        order = expert.argsort(stable=True)                          # by expert, hence by destination rank
+        token, expert = token[order], expert[order]
+        counts = torch.bincount(expert, minlength=num_experts)
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts)
+        send, recv = counts.view(n, per).sum(1).tolist(), incoming.view(n, per).sum(1).tolist()
+        rows = all_to_all(x[token], send, recv)
+        local_id = torch.arange(per).repeat(n).repeat_interleave(incoming)
+        regroup = local_id.argsort(stable=True)
+        ids = local_id[regroup]
+        offs = torch.bincount(local_id, minlength=per).cumsum(0).to(torch.int32)
+        hidden = F.gelu(torch._grouped_mm(rows[regroup], w1, offs=offs) + b1[ids])
+        out = torch._grouped_mm(hidden, w2, offs=offs) + b2[ids]
+        back = all_to_all(out[regroup.argsort()], recv, send)
+        y = (back[order.argsort()].view(T, k, x.shape[1]) * weights[..., None]).sum(1)
+        return y, send, recv
+    """)
 
 
 @mutant("ep_dispatch_combine", "wrong",
-        message="the arrived rows taken as grouped by local expert: all_to_all_single puts them in source rank order, "
-                "each source's piece grouped by expert, so rows go through the wrong experts; the [source, local "
-                "expert] count table says which",
+        message="the weights applied on the sender, to the row that came back: that row is already the sum of the "
+                "rank's experts' outputs, and (w1 + w2)(o1 + o2) is not w1 o1 + w2 o2; weigh each expert's output on "
+                "the receiver, before the sum")
+def weights_applied_on_the_sender(solution):
+    "the receiver sums its experts' outputs unweighted; the sender scales the returned row by the token's weights there"
+    s = swap(solution, "out * w_in[row_of, ids, None])", "out)")
+    return swap(s, "y = torch.zeros_like(x).index_add(0, pair_token, back)",
+                "y = torch.zeros_like(x).index_add(0, pair_token, back * gate.sum(2)[pair_token, pair_rank, None])")
+
+
+@mutant("ep_dispatch_combine", "wrong",
+        message="the routing weights sent without their gradient (detached, or by a collective outside autograd): "
+                "the output is right but the router learns nothing from the task; send them through the "
+                "differentiable all-to-all")
+def weights_without_gradient(solution):
+    "the weights detached before they are sent"
+    return swap(solution, "scatter(1, experts, weights)", "scatter(1, experts, weights.detach())")
+
+
+@mutant("ep_dispatch_combine", "wrong",
+        message="the fanned-out rows taken as grouped by local expert: the rows arrive in source rank order and each "
+                "row's experts follow it, so each expert's rows must be put together for the grouped GEMM (and each "
+                "output added back to its row)",
         section="4. Expert parallelism: dispatch and combine",
-        learner="learnF, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-1.py; "
-                "learn15, 2026-12-05, considered: attempts/lab15/ep_dispatch_combine-2.py")
+        learner="learnF, 2026-12-05, considered (the exercise's per-assignment form): "
+                "attempts/lab15/ep_dispatch_combine-1.py; "
+                "learn15, 2026-12-05, considered (the exercise's per-assignment form): "
+                "attempts/lab15/ep_dispatch_combine-2.py")
 def arrived_rows_taken_as_grouped_by_expert(solution):
-    "the arrived rows' experts from the counts summed over the sources: rows grouped by expert, not by source rank"
-    return swap(solution, "local_id = torch.arange(per).repeat(n).repeat_interleave(incoming)",
-                "local_id = torch.arange(per).repeat_interleave(incoming.view(n, per).sum(0))")
+    "the (row, expert) pairs in arrival order, given to the grouped GEMM with offsets counted per expert"
+    return swap(solution, "regroup = local_id.argsort(stable=True)", "regroup = torch.arange(len(local_id))")
 
 
 @mutant("ep_dispatch_combine", "wrong",
@@ -153,8 +199,8 @@ def arrived_rows_taken_as_grouped_by_expert(solution):
                 "ends), so every group after the first gets other rows")
 def offsets_not_cumulative(solution):
     "offs = the per-expert row counts, not their cumulative sums"
-    return swap(solution, "offs = torch.bincount(local_id, minlength=per).cumsum(0).to(torch.int32)",
-                "offs = torch.bincount(local_id, minlength=per).to(torch.int32)")
+    return swap(solution, "offs = torch.bincount(ids, minlength=per).cumsum(0).to(torch.int32)",
+                "offs = torch.bincount(ids, minlength=per).to(torch.int32)")
 
 
 @mutant("ep_dispatch_combine", "wrong",
@@ -163,19 +209,18 @@ def offsets_not_cumulative(solution):
 def loop_over_experts(solution):
     "each expert's rows through its own matmuls"
     return swap(solution, """\
-    hidden = F.gelu(torch._grouped_mm(rows[regroup], w1, offs=offs) + b1[ids])
+    hidden = F.gelu(torch._grouped_mm(arrived[row_of], w1, offs=offs) + b1[ids])
     out = torch._grouped_mm(hidden, w2, offs=offs) + b2[ids]""", """\
-    parts = rows[regroup].split(torch.bincount(local_id, minlength=per).tolist())
+    parts = arrived[row_of].split(torch.bincount(ids, minlength=per).tolist())
     out = torch.cat([F.gelu(part @ w1[i] + b1[i]) @ w2[i] + b2[i] for i, part in enumerate(parts)])""")
 
 
-# Hidden only: every visible rank holds tokens. torch cannot infer the -1 of a view of zero elements.
 @mutant("ep_dispatch_combine", "wrong",
-        message="the combined rows viewed as [T, k, -1]: on a rank with no tokens the width cannot be inferred from "
-                "zero elements; give it (x.shape[1])")
-def width_inferred_in_the_view(solution):
-    "view(T, k, -1): raises on a rank holding no tokens"
-    return swap(solution, ".view(T, k, x.shape[1])", ".view(T, k, -1)")
+        message="every arrived row through every local expert, with weight 0 where it was not chosen: the numbers are "
+                "right, but the experts compute E_local / k times the rows; fan each row out to the experts it chose")
+def every_local_expert_on_every_row(solution):
+    "each arrived row multiplied by all the rank's experts, the unchosen ones weighted 0"
+    return swap(solution, "(c_in > 0.5).nonzero(as_tuple=True)", "(c_in > -1).nonzero(as_tuple=True)")
 
 
 # Hidden only: every visible rank receives rows.
@@ -185,13 +230,13 @@ def width_inferred_in_the_view(solution):
 def grouped_gemms_skipped_without_rows(solution):
     "no grouped GEMM on a rank that received nothing"
     return swap(solution, """\
-    hidden = F.gelu(torch._grouped_mm(rows[regroup], w1, offs=offs) + b1[ids])
+    hidden = F.gelu(torch._grouped_mm(arrived[row_of], w1, offs=offs) + b1[ids])
     out = torch._grouped_mm(hidden, w2, offs=offs) + b2[ids]""", """\
-    if len(rows):
-        hidden = F.gelu(torch._grouped_mm(rows[regroup], w1, offs=offs) + b1[ids])
+    if len(arrived):
+        hidden = F.gelu(torch._grouped_mm(arrived[row_of], w1, offs=offs) + b1[ids])
         out = torch._grouped_mm(hidden, w2, offs=offs) + b2[ids]
     else:
-        out = rows                                               # nothing arrived: nothing to compute""")
+        out = arrived                                            # nothing arrived: nothing to compute""")
 
 
 @mutant("ep_dispatch_combine", "reference")
@@ -230,7 +275,7 @@ def redefines_run_dispatch(solution):
     return prepend(copies_the_plain_sum(solution), """
         _run_dispatch = run_dispatch
         def run_dispatch(*args, **kwargs):
-            return dict(_run_dispatch(*args, **kwargs), collectives=[("all-to-all", "float32")],
+            return dict(_run_dispatch(*args, **kwargs), collectives=[("all-to-all", "float32")], moved=[],
                         products={"forward": ["_grouped_mm"] * 2, "backward": []})
     """)
 
