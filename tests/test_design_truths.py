@@ -94,9 +94,16 @@ def test_lab13_cost_models_judge_runs_the_plan_of_the_solutions_parallelize():
     cells = {nbgrader_meta(c).get("grade_id"): c.source for c in nb.cells}
 
     def assigned(source, function):
+        # the blocks' plan, the gather before each sub-block, the saved ops, and the plan outside the blocks (the
+        # dict literals given to parallelize_module)
         fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function)
-        return {t.id: ast.dump(n.value) for n in ast.walk(fn) if isinstance(n, ast.Assign)
-                for t in n.targets if isinstance(t, ast.Name) and t.id in ("plan", "keep")}
+        out = {t.id: ast.dump(n.value) for n in ast.walk(fn) if isinstance(n, ast.Assign)
+               for t in n.targets if isinstance(t, ast.Name) and t.id in ("plan", "keep", "gather")}
+        out["outside"] = [ast.dump(n.args[2]) for n in ast.walk(fn) if isinstance(n, ast.Call)
+                          and getattr(n.func, "id", None) == "parallelize_module" and isinstance(n.args[2], ast.Dict)]
+        out["units"] = [ast.dump(n) for n in ast.walk(fn) if isinstance(n, ast.Call)
+                        and getattr(n.func, "id", None) == "fully_shard"]
+        return out
     solution = assigned(cells["parallelize"], "parallelize")
-    assert set(solution) == {"plan", "keep"}
+    assert set(solution) == {"plan", "keep", "gather", "outside", "units"} and solution["outside"]
     assert assigned(cells["cost_model_test"], "_reference_parallelize") == solution

@@ -151,6 +151,12 @@ TAMPERING = [
     ("vars()['torch'] = None", "reads vars()"),
     ("f = vars(torch)['ch' + 'unk']", "takes torch's namespace"),
     ("f = torch.__dict__.get('ch' + 'unk')", "takes torch's namespace"),
+    ("with torch.utils._python_dispatch._disable_current_modes(): pass", "sets aside the dispatch modes"),
+    ("m = torch.utils._python_dispatch._pop_mode()", "sets aside the dispatch modes"),
+    ("with torch.utils._python_dispatch._pop_mode_temporarily(): pass", "sets aside the dispatch modes"),
+    ("with torch._C._DisableTorchDispatch(): pass", "sets aside the dispatch modes"),
+    ("torch._C._unset_dispatch_mode(k)", "sets aside the dispatch modes"),
+    ("m = torch._C._pop_torch_dispatch_stack()", "sets aside the dispatch modes"),
 ]
 HEADER = "import torch, sys, builtins, importlib, mgpu_lab\nfrom torch import Tensor\n"
 

@@ -28,6 +28,10 @@ same collective.
   backward need at once, saved tensors and transient ones together), ``held`` the bytes
   still held now.
 
+* ``OpNames`` records the names of the ATen operators run while active (``names``, a set:
+  ``"mm"``, ``"_scaled_dot_product_flash_attention_for_cpu"``...), whichever Python spelling
+  called them (``F.scaled_dot_product_attention``, ``torch.ops.aten.<op>``, a library's helper).
+
 * ``KeptAlive`` is :mod:`mgpu_lab.measure.kept_alive`'s recorder as a ``with`` block:
   ``kept(min_bytes)`` lists the storages made while it was active, of at least
   ``min_bytes``, that are still referenced afterwards (saved for backward, stashed in
@@ -158,6 +162,18 @@ class KeptAlive(Recorder):
             if not rows or time.monotonic() >= deadline:
                 return rows
             time.sleep(0.02)
+
+
+class OpNames(MeasuringMode):
+    """The names of the operators run while active: ``names``, a set of ``func._opname``."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._opname)
+        return func(*args, **(kwargs or {}))
 
 
 class HeldAtOnce(MeasuringMode):

@@ -1,17 +1,16 @@
 """Context parallelism: ring attention, the sequence split across ranks for attention itself.
 
-Sequence parallelism (lab 11) splits the norms and dropout along the sequence but gathers
-the whole sequence before attention: every rank then holds the keys and values of all S
-tokens (and, without a fused kernel, an ``s x S`` block of scores). Ring attention never
-gathers. Rank r holds its queries, keys and values (``s = S/N`` positions); the key/value
+Sequence parallelism (lab 11) splits the norms and dropout along the sequence and gathers
+the sequence again before attention, where tensor parallelism splits the heads: each rank
+holds the keys and values of all S tokens for a/N of the heads. Gathering the keys and
+values of every head instead (Llama 3's all-gather context parallelism, torch's default)
+holds those of all S tokens on every rank (and, without a fused kernel, an ``s x S`` block
+of scores). Ring attention never gathers. Rank r holds its queries, keys and values (``s = S/N`` positions); the key/value
 blocks travel around the ring (rank r sends to r+1 and receives from r-1), and after N steps
 each rank has attended its queries to every block. Each step's partial result is merged
-into the running one by the **log-sum-exp** (the online softmax): with ``lse`` the log of a
-row's softmax denominator over the keys seen so far,
-
-    lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
-
-is exactly the attention over the keys of a and b together. The next block's receive is
+into the running one by the **log-sum-exp** (``lse``, the log of a row's softmax denominator
+over the keys seen so far): the online softmax's re-basing (lab 14, exercise 1), a whole
+block at a time, exactly the attention over the keys of both. The next block's receive is
 posted before the current block is computed: communication hides behind computation.
 
 Backward runs the same ring. Each rank recomputes a block's probabilities from the saved

@@ -175,6 +175,77 @@ def redefines_stream_attention(solution):
     """)
 
 
+# expert14's attacks (issue 47 review): the blocks kept as .detach() views (new tensor objects, the same memory), and
+# kept inside the buffer whose views are the history's entries. stream_attention now follows each block's storage and
+# counts each history entry at its own size.
+@mutant("online_attention", "copy")
+def prefixes_recomputed_from_detached_blocks(solution):
+    "each block kept as .detach() (a new tensor, the same storage); each prefix recomputed block by block from them"
+    return body(solution, """
+        kept, history = [], []
+        for kb, vb in blocks:
+            kept.append((kb.detach(), vb.detach()))
+            m = None
+            for k_, _ in kept:
+                bm = (q @ k_.T * scale).max(-1).values
+                m = bm if m is None else torch.maximum(m, bm)
+            l = torch.zeros(q.shape[0])
+            for k_, _ in kept:
+                l = l + torch.exp(q @ k_.T * scale - m[:, None]).sum(-1)
+            history.append((m, l))
+        out = 0
+        for k_, v_ in kept:
+            out = out + torch.exp(q @ k_.T * scale - m[:, None]) @ v_
+        return out / l[:, None], history
+    """)
+
+
+@mutant("online_attention", "copy")
+def blocks_kept_inside_the_history(solution):
+    "each block copied into one buffer with its (m, l) entry, the entry views of it: the kept blocks counted as history"
+    return body(solution, """
+        L = q.shape[0]
+        kept, history = [], []
+        for kb, vb in blocks:
+            b, d, dv = kb.shape[0], kb.shape[1], vb.shape[1]
+            buf = torch.cat([torch.zeros(2 * L), kb.reshape(-1), vb.reshape(-1)])
+            kept.append((buf[2 * L:2 * L + b * d].view(b, d), buf[2 * L + b * d:].view(b, dv)))
+            del kb, vb
+            m = None
+            for k_, _ in kept:
+                bm = (q @ k_.T * scale).max(-1).values
+                m = bm if m is None else torch.maximum(m, bm)
+            l = torch.zeros(L)
+            for k_, _ in kept:
+                l = l + torch.exp(q @ k_.T * scale - m[:, None]).sum(-1)
+            buf[:L], buf[L:2 * L] = m, l
+            history.append((buf[:L], buf[L:2 * L]))
+        out = 0
+        for k_, v_ in kept:
+            out = out + torch.exp(q @ k_.T * scale - m[:, None]) @ v_
+        return out / l[:, None], history
+    """)
+
+
+@mutant("online_attention", "tamper")
+def one_piece_with_the_modes_set_aside(solution):
+    "the blocks concatenated and one softmax in one piece, inside _disable_current_modes(): HeldAtOnce sees nothing"
+    return prepend(body(solution, """
+        with _disable_current_modes():
+            ks, vs = zip(*[(kb.clone(), vb.clone()) for kb, vb in blocks])
+            s = q @ torch.cat(ks).T * scale
+            out = torch.softmax(s, -1) @ torch.cat(vs)
+            history, e = [], 0
+            for kb in ks:
+                e += kb.shape[0]
+                m = s[:, :e].max(-1).values
+                history.append((m, torch.exp(s[:, :e] - m[:, None]).sum(-1)))
+            return out, history
+    """), """
+        from torch.utils._python_dispatch import _disable_current_modes
+    """)
+
+
 # --- window_ring_attention ------------------------------------------------------------
 
 
@@ -413,6 +484,83 @@ def redefines_run_window(solution):
         def run_window(*args, **kwargs):
             return [dict(r, collectives=[]) for r in _run_window(*args, **kwargs)]
     """)
+
+
+# expert14's attack: the library's _RingAttention transcribed, each block torch's CPU flash kernel with the window's
+# mask (the op the library's helpers wrap), called through torch.ops.aten: refused by name (reimplements).
+_RING_ON_TORCHS_KERNEL = """class WindowRingAttention(torch.autograd.Function):
+    # mgpu_lab.parallel.context_parallel._RingAttention, copied; each block is torch's CPU flash kernel with the
+    # window's mask (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu and its _backward)
+
+    @staticmethod
+    def forward(ctx, q, k, v, window):
+        rank, n, s = dist.get_rank(), dist.get_world_size(), q.shape[-2]
+        scale = q.shape[-1] ** -0.5
+        q_pos = rank * s + torch.arange(s)
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"))
+        kv = [k, v]
+        for i in range(n):
+            if i < n - 1:
+                wait = ring_pass(kv)
+            k_pos = (rank - i) % n * s + torch.arange(s)
+            mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+            rows = mask.any(-1).nonzero().squeeze(1)
+            if len(rows):
+                ob, lb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q.index_select(-2, rows), kv[0], kv[1], 0.0, False, attn_mask=torch.zeros(len(rows), s).masked_fill(~mask[rows], float("-inf")), scale=scale)
+                o, l = out.index_select(-2, rows), lse.index_select(-1, rows)
+                new = torch.logaddexp(l, lb)
+                o = o * torch.exp(l - new).unsqueeze(-1) + ob * torch.exp(lb - new).unsqueeze(-1)
+                out.index_copy_(-2, rows, o), lse.index_copy_(-1, rows, new)
+            if i < n - 1:
+                kv = wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.window = window
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        rank, n, s = dist.get_rank(), dist.get_world_size(), q.shape[-2]
+        scale = q.shape[-1] ** -0.5
+        q_pos = rank * s + torch.arange(s)
+        dq = torch.zeros_like(q)
+        kv, grads = [k, v], None
+        for i in range(n):
+            if i < n - 1:
+                wait_kv = ring_pass(kv)
+            k_pos = (rank - i) % n * s + torch.arange(s)
+            mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - ctx.window)
+            rows = mask.any(-1).nonzero().squeeze(1)
+            dk, dv = torch.zeros_like(kv[0]), torch.zeros_like(kv[1])
+            if len(rows):
+                dqb, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    dout.index_select(-2, rows).contiguous(), q.index_select(-2, rows), kv[0], kv[1],
+                    out.index_select(-2, rows), lse.index_select(-1, rows).contiguous(), 0.0, False,
+                    attn_mask=torch.zeros(len(rows), s).masked_fill(~mask[rows], float("-inf")), scale=scale)
+                dq.index_add_(-2, rows, dqb)
+            if grads is not None:
+                dk_in, dv_in = grads()
+                dk, dv = dk + dk_in, dv + dv_in
+            grads = ring_pass([dk, dv])
+            if i < n - 1:
+                kv = wait_kv()
+        dk, dv = grads()
+        return dq, dk, dv, None
+
+
+def window_ring_attention(q, k, v, window):
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (a query always sees itself), got {window}")
+    return WindowRingAttention.apply(q, k, v, window)
+"""
+
+
+@mutant("window_ring_attention", "reference")
+def library_ring_transcribed_on_torchs_flash_kernel(solution):
+    "the library's ring transcribed, each block torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (+ _backward)"
+    return _RING_ON_TORCHS_KERNEL
 
 
 # --- choose_layout (design) -----------------------------------------------------------

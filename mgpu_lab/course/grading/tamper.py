@@ -14,6 +14,9 @@ this pass flags, in every code cell the learner wrote or edited:
   (``set_custom_exc``, ``showtraceback``, ``events``, input transformers...);
 - running built strings: ``exec``, ``eval``, ``compile``, ``__import__`` of a
   non-literal; ``getattr`` of a computed name on a module;
+- setting aside the dispatch modes the checks observe through (``_disable_current_modes``,
+  ``_pop_mode``, ``_pop_mode_temporarily``, ``torch._C._DisableTorchDispatch``,
+  ``torch._C._unset_dispatch_mode``, ``torch._C._pop_torch_dispatch_stack``);
 - frames, code objects and raw memory: ``sys._getframe``, ``inspect.currentframe``,
   ``f_back``/``f_globals``/``__code__``/``__globals__``, ``globals()``, ``vars()``, ``ctypes``,
   ``gc.get_objects``;
@@ -47,6 +50,11 @@ FORBIDDEN_NAMES = {"sys.modules": "touches sys.modules", "__builtins__": "touche
                    "inspect.currentframe": "reads frames", "inspect.stack": "reads frames",
                    "gc.get_objects": "walks every object", "gc.get_referrers": "walks every object",
                    "ctypes": "uses ctypes (raw memory)", "globals": "reads globals()"}
+# Setting aside the dispatch modes a check observes through (bytes held, collectives issued, threads).
+FORBIDDEN_NAMES.update({name: "sets aside the dispatch modes the checks observe through" for name in (
+    "torch.utils._python_dispatch._disable_current_modes", "torch.utils._python_dispatch._pop_mode",
+    "torch.utils._python_dispatch._pop_mode_temporarily", "torch._C._DisableTorchDispatch",
+    "torch._C._unset_dispatch_mode", "torch._C._pop_torch_dispatch_stack")})
 # Reading one entry of a module's namespace (``vars(m)[k]``, ``.get``, the views) is
 # ``getattr`` by another name; anything else (a store, ``update``, a name holding it) can patch it.
 NAMESPACE_READS = {"get", "items", "keys", "values"}
