@@ -175,10 +175,31 @@ def rows_filled_in_order(solution):
     """)
 
 
-@mutant("rank_batches", "wrong")
+@mutant("rank_batches", "wrong",
+        learner="learn13b, 2026-12-05, later attempt: attempts/lab13/rank_batches-2.py")
 def no_error_when_a_row_is_too_small(solution):
     "no ValueError where the smallest row has fewer samples than K: it gets an empty micro-batch"
     return swap(solution, "if base < K:", "if False:")
+
+
+@mutant("rank_batches", "wrong",
+        message="each row cut into micro-batches of micro_batch samples, as a DataLoader batches: a row one sample "
+                "larger runs one micro-batch more (16 over 3 rows of at most 5: 2, 1, 1), the other rows wait in its "
+                "missing reduce-scatter; and a ValueError only where a row is empty",
+        section="3. Exercise (b) (3 points): the data plan, whatever the layout",
+        learner="learn13b, 2026-12-05, first attempt: attempts/lab13/rank_batches-1.py")
+def rows_chunked_by_micro_batch(solution):
+    "each row chunked into micro_batch-sized pieces: rows of unequal size run different numbers of micro-batches"
+    return body(solution, """
+        d = rank // tp
+        base, extra = divmod(global_batch, dp)
+        if base == 0:
+            raise ValueError(f"global batch {global_batch} < dp={dp}: a row would read no sample")
+        start = step * global_batch + d * base + min(d, extra)
+        size = base + (1 if d < extra else 0)
+        samples = list(range(start, start + size))
+        return [samples[i:i + micro_batch] for i in range(0, size, micro_batch)]
+    """)
 
 
 @mutant("rank_batches", "copy")
