@@ -499,7 +499,10 @@ def test_runtime_guard_catches_the_reference_handed_to_a_thread_as_its_work():
     guard.install(["statistics.median"], [], ns, extra_cells=["<student>"])
     try:
         for call in ("cf.ThreadPoolExecutor(1).submit(getattr(statistics, 'med' + 'ian'), [1]).result()",
-                     "cf.ThreadPoolExecutor(1).submit(functools.partial(statistics.median, [1])).result()"):
+                     "cf.ThreadPoolExecutor(1).submit(functools.partial(statistics.median, [1])).result()",
+                     # attack47: passed on through torch's code, no frame of the cell or of a library
+                     "import torch.utils._pytree as pt\n"
+                     "cf.ThreadPoolExecutor(1).submit(pt.tree_map, statistics.median, [[1]]).result()"):
             with pytest.raises(guard.ForbiddenCall, match="must not call statistics.median"):
                 cell(call, "<student>")
         import threading

@@ -157,6 +157,12 @@ TAMPERING = [
     ("with torch._C._DisableTorchDispatch(): pass", "sets aside the dispatch modes"),
     ("torch._C._unset_dispatch_mode(k)", "sets aside the dispatch modes"),
     ("m = torch._C._pop_torch_dispatch_stack()", "sets aside the dispatch modes"),
+    # attack47: the guard's view of the cells, a second copy of a module, the instruments' state
+    ("import linecache; linecache.cache['cell'] = (0, None, ['x'], 'cell')", "touches linecache"),
+    ("s = importlib.util.spec_from_file_location('cp', mgpu_lab.__file__)", "second copy of a module"),
+    ("torch.utils._python_dispatch._get_current_dispatch_mode_stack()[0].seen['bmm'] += 2",
+     "reaches the dispatch modes"),
+    ("mgpu_lab.measure.timeline._active[0].spans.append(('R layers.0.attention',))", "private state"),
 ]
 HEADER = "import torch, sys, builtins, importlib, mgpu_lab\nfrom torch import Tensor\n"
 
@@ -320,3 +326,19 @@ def test_a_forked_judge_runs_one_thread_whatever_its_zygote_ran(tmp_path):
         assert j.verdict("t", "assert torch.get_num_threads() == 1\nassert (x @ x).shape == (512, 512)", {}, []).ok
     finally:
         pool.close()
+
+
+def test_rebinding_a_name_a_given_helper_of_the_probe_reads_is_tampering():
+    """attack47: lab 15's probe calls the given `run_dispatch`, which reads `MatrixProducts`; a learner's
+    stand-in class of that name would report the grouped GEMMs the check looks for."""
+    import copy
+    import nbformat
+    from mgpu_lab.course.grading.tamper import tampering
+    from mgpu_lab.course.notebook.cells import nbgrader_meta
+    lab = nbformat.read(ROOT / "solutions" / "15_expert_parallel.ipynb", as_version=4)
+    assert tampering(lab, lab) == []
+    cheat = copy.deepcopy(lab)
+    cell = next(c for c in cheat.cells if nbgrader_meta(c).get("solution") and "def ep_dispatch_combine" in c.source)
+    cell.source = "class MatrixProducts:\n    pass\n\n" + cell.source
+    found = tampering(cheat, lab)
+    assert any("rebinds `MatrixProducts`" in what for _, what, _ in found), found

@@ -275,11 +275,27 @@ def _check(name: str) -> None:
             _state["violations"].append(name)
             raise ForbiddenCall(MESSAGE.format(name))
         frame = frame.f_back
-    # No notebook frame: handed to a thread as its work itself (pool.submit(ref, ...),
-    # Thread(target=ref), a partial of it): a worker has no frame of the cell that sent it.
-    if caller is not None and caller.f_code.co_filename.endswith(_THREAD_MACHINERY):
-        _state["violations"].append(name)
-        raise ForbiddenCall(MESSAGE.format(name))
+    # No notebook frame: handed to a thread as its work (pool.submit(ref, ...), Thread(target=ref),
+    # a partial of it, or a library function that calls it, pool.submit(tree_map, ref, ...)): a
+    # worker has no frame of the cell that sent it, only the thread machinery somewhere below.
+    # Only frames of the standard library or torch may lie in between: a library's own thread running
+    # its own code (a frame of that library) calls what it likes.
+    frame = caller
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.endswith(_THREAD_MACHINERY):
+            _state["violations"].append(name)
+            raise ForbiddenCall(MESSAGE.format(name))
+        if not filename.startswith(_pass_through_dirs()):
+            return
+        frame = frame.f_back
+
+
+def _pass_through_dirs() -> tuple:
+    """Where a function passed along to a thread may pass through: the standard library, torch."""
+    import os
+    import torch
+    return (os.path.dirname(os.__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
 
 
 def _wrap(name: str, impl):

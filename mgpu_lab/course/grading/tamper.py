@@ -17,6 +17,9 @@ this pass flags, in every code cell the learner wrote or edited:
 - setting aside the dispatch modes the checks observe through (``_disable_current_modes``,
   ``_pop_mode``, ``_pop_mode_temporarily``, ``torch._C._DisableTorchDispatch``,
   ``torch._C._unset_dispatch_mode``, ``torch._C._pop_torch_dispatch_stack``);
+- what the guard and the instruments rest on: ``linecache``, a module loaded again from its file
+  (``importlib.util.spec_from_file_location``, ``module_from_spec``, ``SourceFileLoader``), the
+  dispatch mode stack (``_get_current_dispatch_mode_stack``), private names of ``mgpu_lab.measure``;
 - frames, code objects and raw memory: ``sys._getframe``, ``inspect.currentframe``,
   ``f_back``/``f_globals``/``__code__``/``__globals__``, ``globals()``, ``vars()``, ``ctypes``,
   ``gc.get_objects``;
@@ -24,7 +27,8 @@ this pass flags, in every code cell the learner wrote or edited:
   reading an entry named in the code (``vars(torch)["equal"] = ...``, ``.update(...)``, kept
   in a name, ``vars(torch)["ten" + "sor_split"]``);
 - rebinding a name a check's probe uses (``launch``, ``torch``, a helper the lab
-  gives): the probe would call the learner's stand-in instead of the real thing;
+  gives), or one that a helper the probe calls uses in turn: the probe would call the
+  learner's stand-in instead of the real thing;
 - a solution that reads a check's inputs (``batch``) as a global instead of
   taking them as arguments.
 
@@ -55,6 +59,18 @@ FORBIDDEN_NAMES.update({name: "sets aside the dispatch modes the checks observe 
     "torch.utils._python_dispatch._disable_current_modes", "torch.utils._python_dispatch._pop_mode",
     "torch.utils._python_dispatch._pop_mode_temporarily", "torch._C._DisableTorchDispatch",
     "torch._C._unset_dispatch_mode", "torch._C._pop_torch_dispatch_stack")})
+# What the "must not call" guard and the measuring instruments rest on: the cells' source as linecache
+# holds it (the guard reads it to tell the instructor's frames from the learner's), a second copy of a
+# module loaded from its file (functions the guard never wrapped), and the instruments' private state.
+FORBIDDEN_NAMES.update({"linecache": "touches linecache (the cells' source the guard reads)",
+                        "importlib.util.spec_from_file_location": "loads a second copy of a module from its file",
+                        "importlib.util.module_from_spec": "loads a second copy of a module from its file",
+                        "importlib.machinery.SourceFileLoader": "loads a second copy of a module from its file",
+                        "torch.utils._python_dispatch._get_current_dispatch_mode_stack":
+                            "reaches the dispatch modes the checks observe through",
+                        "torch.utils._python_dispatch._get_current_dispatch_mode":
+                            "reaches the dispatch modes the checks observe through"})
+INSTRUMENTS = "mgpu_lab.measure."
 # Reading one entry of a module's namespace (``vars(m)[k]``, ``.get``, the views) is
 # ``getattr`` by another name; anything else (a store, ``update``, a name holding it) can patch it.
 NAMESPACE_READS = {"get", "items", "keys", "values"}
@@ -146,6 +162,9 @@ def findings(source: str, aliases: Mapping[str, str]) -> List[str]:
             for bad, what in FORBIDDEN_NAMES.items():
                 if name == bad or name.startswith(bad + "."):
                     flag(node, what)
+            if name.startswith(INSTRUMENTS) and any(part.startswith("_") and not part.startswith("__")
+                                                    for part in name[len(INSTRUMENTS):].split(".")):
+                flag(node, f"reaches into a measuring instrument's private state ({name})")
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             if any(m.split(".")[0] == "ctypes" for m in mods):
@@ -187,6 +206,28 @@ def _global_reads(tree) -> set:
     return out
 
 
+def _given_reads(instructor) -> Dict[str, set]:
+    """For each function and class the lab's given cells define, the global names its code reads."""
+    out: Dict[str, set] = {}
+    for source in given_sources(instructor):
+        tree = parse(source)
+        for node in (tree.body if tree is not None else []):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out[node.name] = _global_reads(ast.Module(body=[node], type_ignores=[]))
+    return out
+
+
+def _with_what_they_call(names: set, reads: Mapping[str, set]) -> set:
+    """``names`` and, through the lab's given functions among them, every global those read."""
+    seen, todo = set(names), list(names)
+    while todo:
+        for name in reads.get(todo.pop(), ()):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
 def tampering(submission, instructor, given=None, check=lambda: None):
     """``[(where, what, grade_ids)]``: each finding in what the learner wrote (solution
     cells, and statements the lab did not give) with the graded cells it costs.
@@ -202,7 +243,9 @@ def tampering(submission, instructor, given=None, check=lambda: None):
     for gid, ex in exercise.items():
         gids_of.setdefault(ex, []).append(gid)
     parts = {gid: graded_cell.split(c.source) for gid, c in tests.items()}
-    uses = {gid: _probe_uses(p.probe) for gid, p in parts.items()}
+    # a name the probe reads, or one a given helper it calls reads (run_dispatch's MatrixProducts)
+    reads = _given_reads(instructor)
+    uses = {gid: _with_what_they_call(_probe_uses(p.probe), reads) for gid, p in parts.items()}
     given_aliases = import_aliases(parse(s) for s in given_sources(instructor))
     answers = {n for c in instructor.cells if nbgrader_meta(c).get("solution")
                and c.cell_type == "code" for n in graded_cell.bound_names(c.source)}
