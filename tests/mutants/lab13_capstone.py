@@ -96,6 +96,30 @@ def the_root_holds_embeddings_and_head(solution):
     return swap(solution, UNITS, "")
 
 
+@mutant("parallelize", "wrong",
+        message="each column-parallel projection gathers its own input (ColwiseParallel(input_layouts=Shard(1))): "
+                "the same sequence is all-gathered once per projection (wq, wk and wv: three times per attention), "
+                "where one gather at the sub-block's input (PrepareModuleInput) serves them all",
+        section="2. Exercise (a) (5 points): `parallelize`, torchtitan's plan",
+        learner="learn13, 2026-12-05, considered: attempts/lab13/parallelize-2.py")
+def each_projection_gathers_its_input(solution):
+    "no PrepareModuleInput on the sub-blocks: each colwise linear all-gathers the sequence itself, once per projection"
+    solution = swap(solution, '"attention": gather, "feed_forward": gather}', "}")
+    return swap(solution, "else ColwiseParallel())", "else ColwiseParallel(input_layouts=Shard(1)))")
+
+
+@mutant("parallelize", "wrong",
+        message="the norms left plain (no SequenceParallel): on the sequence shard they compute the right values, but "
+                "each norm weight's gradient is only its rank's positions' share, never summed over tp",
+        section="2. Exercise (a) (5 points): `parallelize`, torchtitan's plan",
+        learner="learn13, 2026-12-05, considered: attempts/lab13/parallelize-3.py")
+def plain_norms_on_the_sequence_shard(solution):
+    "the RMSNorms not sequence-parallel: their weights plain over tp, their gradients partial sums"
+    solution = swap(solution, '        "norm": SequenceParallel(),\n', "")
+    return swap(solution, 'plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),\n                ',
+                "plan = {")
+
+
 @mutant("parallelize", "wrong")
 def the_root_sharded_first(solution):
     "fully_shard(model) before the blocks: FSDP's units must be made bottom-up"
@@ -265,7 +289,8 @@ def fsdp_without_padding(solution):
 
 @mutant("cost_model", "wrong",
         message="a full recompute repeats both forward reduce-scatters: torch's checkpoint stops recomputing at "
-                "the last tensor backward needs (w2's input), so w2's reduce-scatter is not run again")
+                "the last tensor backward needs (w2's input), so w2's reduce-scatter is not run again",
+        learner="learn13, 2026-12-05, considered: attempts/lab13/cost_model-2.py")
 def full_recompute_repeats_both_reduce_scatters(solution):
     "full recompute counted as the whole forward again (both reduce-scatters), not torch's early stop"
     return swap(solution, '"full": (6, 5)}', '"full": (6, 6)}')
