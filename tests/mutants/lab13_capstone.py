@@ -226,6 +226,22 @@ def rows_chunked_by_micro_batch(solution):
     """)
 
 
+@mutant("rank_batches", "reference")
+def the_librarys_batch_plan(solution):
+    "mgpu_lab.batch_plan's shares and micro-batch sizes, laid out over the step's samples"
+    return body(solution, """
+        from mgpu_lab import batch_plan
+        plan = batch_plan(global_batch, dp, micro_batch)
+        row = rank // tp
+        first = step * global_batch + sum(plan.shares[:row])
+        out = []
+        for size in plan.micro_batches[row]:
+            out.append(list(range(first, first + size)))
+            first += size
+        return out
+    """)
+
+
 @mutant("rank_batches", "copy")
 def copies_the_one_process_batch(solution):
     "section 1's one-process batch, the whole step on every rank as one micro-batch"

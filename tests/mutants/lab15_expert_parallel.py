@@ -106,6 +106,24 @@ def expert_parallel_share(solution):
 
 
 @mutant("global_balance_loss", "copy")
+def every_ranks_logits_gathered(solution):
+    "attack47: every rank's logits all-gathered and the global loss computed with only this rank's rows live, times N"
+    return body(solution, """
+        n, T_r = dist.get_world_size(), torch.tensor([router_logits.shape[0]])
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(n)]
+        dist.all_gather(sizes, T_r)
+        E = router_logits.shape[-1]
+        parts = [torch.zeros(int(t), E) for t in sizes]
+        dist.all_gather(parts, router_logits.detach().contiguous())
+        parts[dist.get_rank()] = router_logits
+        allx = torch.cat(parts)
+        counts = F.one_hot(allx.topk(top_k, dim=-1).indices, E).sum((0, 1)).float()
+        L = E * (counts / counts.sum() * torch.softmax(allx, -1).mean(0)).sum()
+        return L.detach() + n * (L - L.detach())
+    """)
+
+
+@mutant("global_balance_loss", "copy")
 def copies_the_judges_moe(solution):
     "the check's MoE with an identity router: its aux_loss, on this rank's tokens alone"
     return body(solution, """
