@@ -1,11 +1,16 @@
 """Watching code from below the Python API: which collectives it issued, what it left alive.
 
-Both instruments are ``TorchDispatchMode``s: every ATen operator the code runs
-passes through them while they are active, whichever Python function issued it
+Both instruments are ``TorchDispatchMode``s: every ATen operator the code under watch
+dispatches passes through them while they are active, whichever Python function issued it
 (``dist.all_reduce``, ``dist.all_gather_single``, a ``ProcessGroup`` method,
-``torch.distributed._functional_collectives``, FSDP's internals). The code under
-watch needs no change and cannot skip them by calling another spelling of the
-same collective.
+``torch.distributed._functional_collectives``, FSDP's internals, a DTensor redistribution
+that Python code asks for: ``redistribute``, ``full_tensor``, a parallel style's hook). The
+code under watch needs no change and cannot skip them by calling another spelling of the
+same collective. What an operator runs *inside* its own dispatch is not seen: a mode gets
+the operator first, and while it runs it the mode is off. So the collectives DTensor issues
+while it dispatches an operator on DTensors — ``loss_parallel``'s cross-entropy, a
+redistribution DTensor decides on its own to run an operator (implicit redistribution) —
+are not logged; only that operator is, once, with DTensor arguments.
 
 * ``CollectiveLog`` records each collective as ``(kind, dtype, numel)``, kind one of
   ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"broadcast"``... numel is the

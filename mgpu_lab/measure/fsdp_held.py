@@ -13,9 +13,11 @@ private attributes):
   (``_unsharded_param.grad``, or ``unsharded_accumulated_grad`` when a mixed-precision
   policy's ``reduce_dtype`` differs from the parameters').
 
-Each tensor counts at its logical size: an unsharded parameter without FSDP's padding of dim 0
-to a multiple of the shard count, a shard with it (``sharded_param``'s local tensor is the
-rank's rows of the padded parameter, padding cut off: the last rank's may be shorter).
+Each tensor counts at its logical size, padding left out: an unsharded parameter at its own
+shape (FSDP's all-gather buffer pads dim 0 to a multiple of the shard count: not counted), a
+shard at the rows of the parameter this rank holds (``sharded_param``'s local tensor: the
+last rank's may be shorter, or empty; the padded storage under it is not counted). The bytes
+are what the tensors' sizes say, not what the allocator holds for them.
 """
 from __future__ import annotations
 

@@ -54,6 +54,14 @@ def recomputes_the_reduce_scatters(solution):
 
 
 @mutant("parallelize", "wrong",
+        message="the policy saves the reduce-scatters only: every linear product is recomputed in backward, the "
+                "FLOPs selective recompute exists to save (expert13's A1)")
+def recomputes_the_linear_products(solution):
+    "only reduce_scatter_tensor saved: each block's aten.mm run again in backward"
+    return swap(solution, KEEP, "keep = {torch.ops._c10d_functional.reduce_scatter_tensor.default}")
+
+
+@mutant("parallelize", "wrong",
         message="nothing saved: each block recomputed whole, its reduce-scatters run again in backward (no selective "
                 "policy, or a set of operator packets, torch.ops.aten.mm, never equal to the overload the policy "
                 "gets, aten.mm.default)",
