@@ -235,12 +235,12 @@ def rows_chunked_by_micro_batch(solution):
 
 
 @mutant("rank_batches", "reference")
-def the_librarys_batch_plan(solution):
-    "mgpu_lab.batch_plan's shares and micro-batch sizes, laid out over the step's samples"
+def the_librarys_batch_plan_over_every_rank(solution):
+    "mgpu_lab.batch_plan over all dp·tp ranks, as for plain data parallelism: tensor-parallel partners read apart"
     return body(solution, """
         from mgpu_lab import batch_plan
-        plan = batch_plan(global_batch, dp, micro_batch)
-        row = rank // tp
+        plan = batch_plan(global_batch, dp * tp, micro_batch)
+        row = rank
         first = step * global_batch + sum(plan.shares[:row])
         out = []
         for size in plan.micro_batches[row]:
